@@ -1,0 +1,43 @@
+"""mmkey: typed, round-tripping cache keys and strict embedding caches for multimodal serving.
+
+A digest is an `MMHash`; the only road from it to a store key is an `EmbeddingKey` and
+its `to_key()`; every cache takes `CacheKey` objects only. Importing mmkey imports
+neither torch nor mooncake: they load when a function needs them.
+"""
+
+from __future__ import annotations
+
+from mmkey.cache.protocol import AsyncEmbeddingCache, CacheStats, EmbeddingCache
+from mmkey.digest import HashScheme, MMHash, Modality, mm_hash
+from mmkey.errors import (
+    CorruptEntry,
+    InvalidDigest,
+    InvalidKey,
+    MMKeyError,
+    StoreClosed,
+    StoreError,
+)
+from mmkey.hashing import hash_bytes, hash_tensor
+from mmkey.keys import CacheKey, EmbeddingKey
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "AsyncEmbeddingCache",
+    "CacheKey",
+    "CacheStats",
+    "CorruptEntry",
+    "EmbeddingCache",
+    "EmbeddingKey",
+    "HashScheme",
+    "InvalidDigest",
+    "InvalidKey",
+    "MMHash",
+    "MMKeyError",
+    "Modality",
+    "StoreClosed",
+    "StoreError",
+    "hash_bytes",
+    "hash_tensor",
+    "mm_hash",
+]

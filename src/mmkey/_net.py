@@ -1,0 +1,61 @@
+"""Small network helpers: parse a ``host:port`` address and probe a TCP port.
+
+Used to check that a Mooncake master answers before calling ``setup()``, which otherwise
+blocks for a long time when nothing listens.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+__all__ = ["parse_host_port", "port_accepts", "wait_port_open"]
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[v6]:port"``) into ``(host, port)``; ``ValueError`` if malformed."""
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a str like '127.0.0.1:50051', got {type(address).__name__}")
+    expected = "expected 'host:port' such as '127.0.0.1:50051' or '[::1]:50051'"
+    if address != address.strip() or not address:
+        raise ValueError(f"invalid address {address!r}: {expected}")
+    if address.startswith("["):
+        end = address.find("]")
+        if end < 0 or address[end + 1 : end + 2] != ":":
+            raise ValueError(f"invalid address {address!r}: {expected}")
+        host, port_text = address[1:end], address[end + 2 :]
+    else:
+        host, sep, port_text = address.rpartition(":")
+        if not sep:
+            raise ValueError(f"invalid address {address!r}: no port; {expected}")
+        if ":" in host:
+            raise ValueError(f"invalid address {address!r}: put an IPv6 host in brackets; {expected}")
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f"invalid address {address!r}: empty or malformed host; {expected}")
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise ValueError(f"invalid address {address!r}: port {port_text!r} is not a number; {expected}")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"invalid address {address!r}: port {port} is outside 1..65535")
+    return host, port
+
+
+def port_accepts(host: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connection to ``host:port`` succeeds within ``timeout`` seconds."""
+    try:
+        with socket.create_connection((host, port), timeout=max(timeout, 0.001)):
+            return True
+    except OSError:
+        return False
+
+
+def wait_port_open(host: str, port: int, timeout: float, *, interval: float = 0.02) -> bool:
+    """Poll until ``host:port`` accepts a TCP connection; ``False`` if ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if port_accepts(host, port, min(max(remaining, 0.001), 1.0)):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))

@@ -1,0 +1,1 @@
+"""Embedding caches: the protocol, the entry codec and the implementations."""

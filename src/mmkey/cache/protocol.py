@@ -1,0 +1,109 @@
+"""The strict cache protocol every embedding cache implements, sync and async."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import attrs
+
+from mmkey.keys import CacheKey
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AsyncEmbeddingCache", "CacheStats", "EmbeddingCache"]
+
+
+@attrs.frozen(slots=True)
+class CacheStats:
+    """Counters of one cache since it was created; a snapshot, never updated in place."""
+
+    hits: int = 0
+    """Keys read and returned as a verified tensor."""
+    misses: int = 0
+    """Keys read and not found (corrupt entries and store errors included)."""
+    inserts: int = 0
+    """Entries written."""
+    evictions: int = 0
+    """Entries dropped to stay within the budget."""
+    corrupt: int = 0
+    """Entries that failed verification on read (served as misses)."""
+    errors: int = 0
+    """Store calls that failed or timed out (served as misses or failed inserts)."""
+    bytes_held: int = 0
+    """Encoded bytes held by this cache (0 where the store holds them elsewhere)."""
+    entries: int = 0
+    """Entries held by this cache (0 where unknown)."""
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over reads, 0.0 before any read."""
+        reads = self.hits + self.misses
+        return self.hits / reads if reads else 0.0
+
+
+@runtime_checkable
+class EmbeddingCache(Protocol):
+    """A cache of embeddings keyed by `CacheKey` objects only, never by digests or text.
+
+    Reads never return a wrong tensor: anything that does not verify is a miss.
+    Store failures are misses (reads) or ``False`` (writes), never exceptions.
+    """
+
+    def batch_is_exist(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key is held, in order."""
+        ...
+
+    def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """The verified embedding of each key, or None for a miss, in order."""
+        ...
+
+    def insert_batch(
+        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        """Store one embedding per key; whether each is held afterwards."""
+        ...
+
+    def prefetch(self, keys: Sequence[CacheKey]) -> int:
+        """Bring the keys as close as this cache can; how many are now held nearby."""
+        ...
+
+    def stats(self) -> CacheStats:
+        """A snapshot of this cache's counters."""
+        ...
+
+    def close(self) -> None:
+        """Release the cache; any later call raises `StoreClosed`. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class AsyncEmbeddingCache(Protocol):
+    """The asyncio counterpart of `EmbeddingCache`: the same methods, awaitable."""
+
+    async def batch_is_exist(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key is held, in order."""
+        ...
+
+    async def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """The verified embedding of each key, or None for a miss, in order."""
+        ...
+
+    async def insert_batch(
+        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        """Store one embedding per key; whether each is held afterwards."""
+        ...
+
+    async def prefetch(self, keys: Sequence[CacheKey]) -> int:
+        """Bring the keys as close as this cache can; how many are now held nearby."""
+        ...
+
+    def stats(self) -> CacheStats:
+        """A snapshot of this cache's counters."""
+        ...
+
+    async def close(self) -> None:
+        """Release the cache; any later call raises `StoreClosed`. Idempotent."""
+        ...

@@ -1,0 +1,136 @@
+"""Content digests of tensors and bytes, the same in every process and on every device.
+
+BLAKE3 and XXH3 digest a framing of the dtype, the shape and the C-order bytes, so equal
+content, dtype and shape give equal digests whatever the strides or device, and a
+reshape or a dtype view gives a different one. SGLANG reproduces SGLang's CPU
+``tensor_hash``: SHA-256 over the raw bytes, first 8 bytes read big-endian.
+Tensors are read through a zero-copy ``uint8`` view: no ``tobytes()``, no bf16 upcast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from typing import TYPE_CHECKING, Any
+
+from mmkey.digest import HashScheme, MMHash
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Buffer
+
+__all__ = ["hash_bytes", "hash_tensor", "tensor_bytes"]
+
+_TENSOR_DOMAIN = b"mmkey/tensor/v1\x00"
+_BYTES_DOMAIN = b"mmkey/bytes/v1\x00"
+_BLAKE3_PARALLEL_FROM = 1 << 20
+"""Inputs at least this large are hashed by BLAKE3 on all cores."""
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
+    raise ImportError("mmkey digests are defined on little-endian machines only")
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A read-only ``uint8`` memoryview of `t`'s C-order bytes, on the CPU.
+
+    Zero-copy for a contiguous CPU tensor; a non-contiguous or device tensor is copied
+    once (to C order, to host memory) first.
+    """
+    import torch
+
+    value: object = t
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"expected a torch.Tensor, got {type(value).__name__}; "
+            "use hash_bytes() for bytes-like data or torch.as_tensor(x) first"
+        )
+    if t.layout != torch.strided:
+        raise TypeError(f"cannot hash a {t.layout} tensor; call .to_dense() first")
+    if t.is_quantized:
+        raise TypeError("cannot hash a quantized tensor; call .dequantize() or .int_repr()")
+    flat = t.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if flat.is_conj():
+        flat = flat.resolve_conj()
+    if flat.is_neg():
+        flat = flat.resolve_neg()
+    flat = flat.contiguous().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    array: Any = flat.numpy()  # shares the tensor's memory
+    return memoryview(array).toreadonly()
+
+
+def _frame(t: torch.Tensor, nbytes: int) -> bytes:
+    dtype = str(t.dtype).removeprefix("torch.").encode("ascii")
+    return b"".join(
+        (
+            _TENSOR_DOMAIN,
+            struct.pack("<B", len(dtype)),
+            dtype,
+            struct.pack(f"<B{t.dim()}Q", t.dim(), *t.shape),
+            struct.pack("<Q", nbytes),
+        )
+    )
+
+
+def hash_tensor(t: torch.Tensor, scheme: HashScheme = HashScheme.BLAKE3) -> MMHash:
+    """The digest of a tensor's dtype, shape and C-order bytes under `scheme`."""
+    data = tensor_bytes(t)
+    if scheme is HashScheme.SGLANG:
+        return _sglang(data)
+    return _digest((_frame(t, data.nbytes), data), scheme)
+
+
+def hash_bytes(data: Buffer, scheme: HashScheme = HashScheme.BLAKE3) -> MMHash:
+    """The digest of bytes-like `data` under `scheme` (for SGLANG, of the raw bytes)."""
+    view = _as_bytes(data)
+    if scheme is HashScheme.SGLANG:
+        return _sglang(view)
+    return _digest((_BYTES_DOMAIN + struct.pack("<Q", view.nbytes), view), scheme)
+
+
+def _as_bytes(data: object) -> memoryview:
+    import torch
+
+    if isinstance(data, (str, torch.Tensor)):
+        fix = "encode text first, e.g. s.encode()" if isinstance(data, str) else "use hash_tensor()"
+        raise TypeError(f"hash_bytes() takes bytes-like data, got {type(data).__name__}; {fix}")
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"hash_bytes() takes bytes-like data (bytes, bytearray, memoryview), "
+            f"got {type(data).__name__}; use hash_tensor() for tensors"
+        ) from None
+    if view.c_contiguous:
+        return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    return memoryview(view.tobytes())
+
+
+def _check_scheme(scheme: object) -> HashScheme:
+    if not isinstance(scheme, HashScheme):
+        raise TypeError(f"scheme must be a HashScheme member, got {scheme!r}")
+    return scheme
+
+
+def _digest(parts: tuple[bytes, memoryview], scheme: HashScheme) -> MMHash:
+    header, data = parts
+    if _check_scheme(scheme) is HashScheme.XXH3:
+        import xxhash
+
+        x = xxhash.xxh3_128(header)
+        x.update(data)
+        return MMHash(x.intdigest())
+    import blake3
+
+    threads = blake3.blake3.AUTO if data.nbytes >= _BLAKE3_PARALLEL_FROM else 1
+    b = blake3.blake3(header, max_threads=threads)
+    b.update(data)
+    return MMHash(int.from_bytes(b.digest(16), "big"))
+
+
+def _sglang(data: memoryview) -> MMHash:
+    return MMHash(int.from_bytes(hashlib.sha256(data).digest()[:8], "big"))
