@@ -1,0 +1,38 @@
+"""`import mmkey` stays cheap: no torch, no mooncake, no hypothesis until needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import mmkey
+
+
+def imported_after(statement: str) -> set[str]:
+    code = f"import sys\n{statement}\nprint('\\n'.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_import_mmkey_loads_neither_torch_nor_mooncake() -> None:
+    loaded = imported_after("import mmkey")
+    heavy = {"torch", "mooncake", "mooncake.store", "hypothesis", "numpy", "blake3", "xxhash"}
+    assert not loaded & heavy, loaded & heavy
+    assert "mmkey" in loaded  # the control: the import did happen
+
+
+def test_keys_work_without_loading_torch() -> None:
+    loaded = imported_after(
+        "import mmkey\n"
+        "k = mmkey.EmbeddingKey('m', mmkey.Modality.IMAGE, mmkey.HashScheme.XXH3, mmkey.mm_hash(1))\n"
+        "assert mmkey.EmbeddingKey.from_key(k.to_key()) == k"
+    )
+    assert "torch" not in loaded
+
+
+def test_public_names_are_exported() -> None:
+    for name in mmkey.__all__:
+        assert getattr(mmkey, name) is not None
+    for required in ("MMHash", "mm_hash", "HashScheme", "Modality", "hash_tensor", "hash_bytes",
+                     "CacheKey", "EmbeddingKey", "EmbeddingCache", "InvalidKey", "InvalidDigest"):
+        assert required in mmkey.__all__
