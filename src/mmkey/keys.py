@@ -40,6 +40,8 @@ _KEY_V1 = re.compile(
 )
 _MODALITIES = {m.value: m for m in Modality}
 _SCHEMES = {s.value: s for s in HashScheme}
+_MIDDLE = {(m, s): f"@{m.value}@{s.value}@" for m in Modality for s in HashScheme}
+_HEX_FORMAT = {s: f"0{s.hex_width}x" for s in HashScheme}
 
 
 @runtime_checkable
@@ -80,6 +82,22 @@ def _decode_namespace(text: str) -> str:
             f"namespace {text!r} does not decode to UTF-8 text; "
             "keys must come from EmbeddingKey.to_key()"
         ) from None
+    return namespace
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_namespace(text: str) -> str:
+    namespace = _decode_namespace(text)
+    if not 1 <= len(namespace) <= MAX_NAMESPACE_CHARS:
+        raise InvalidKey(
+            f"namespace must have 1 to {MAX_NAMESPACE_CHARS} characters, got {len(namespace)}"
+        )
+    if _encode_namespace(namespace) != text:
+        raise InvalidKey(
+            f"namespace {text!r} is not in canonical form (expected "
+            f"{_encode_namespace(namespace)!r}): escape only bytes outside "
+            "A-Z a-z 0-9 - . _ ~, with upper-case hex"
+        )
     return namespace
 
 
@@ -133,8 +151,8 @@ class EmbeddingKey:
         """Key format v1 text, e.g. ``mmk1@qwen2-vl@image@blake3@<32 hex digits>``."""
         scheme = self.scheme
         return (
-            f"mmk1@{_encode_namespace(self.namespace)}@{self.modality.value}@{scheme.value}@"
-            f"{self.digest:0{scheme.hex_width}x}"
+            f"mmk1@{_encode_namespace(self.namespace)}{_MIDDLE[self.modality, scheme]}"
+            f"{format(self.digest, _HEX_FORMAT[scheme])}"
         )
 
     @classmethod
@@ -161,18 +179,17 @@ class EmbeddingKey:
                 f"digest {hex_digest!r} must be zero-padded to {scheme.hex_width} "
                 f"lower-case hex digits for {scheme.value}, got {len(hex_digest)}"
             )
-        namespace = _decode_namespace(ns_text)
-        if not 1 <= len(namespace) <= MAX_NAMESPACE_CHARS:
-            raise InvalidKey(
-                f"namespace must have 1 to {MAX_NAMESPACE_CHARS} characters, got {len(namespace)}"
-            )
-        if _encode_namespace(namespace) != ns_text:
-            raise InvalidKey(
-                f"namespace {ns_text!r} is not in canonical form (expected "
-                f"{_encode_namespace(namespace)!r}): escape only bytes outside "
-                "A-Z a-z 0-9 - . _ ~, with upper-case hex"
-            )
-        return cls(namespace, _MODALITIES[modality], scheme, MMHash(int(hex_digest, 16)))
+        namespace = _parse_namespace(ns_text)
+        if cls is not EmbeddingKey:
+            return cls(namespace, _MODALITIES[modality], scheme, MMHash(int(hex_digest, 16)))
+        # every part is checked above: skip the validators on this hot path
+        key = object.__new__(cls)
+        _set = object.__setattr__
+        _set(key, "namespace", namespace)
+        _set(key, "modality", _MODALITIES[modality])
+        _set(key, "scheme", scheme)
+        _set(key, "digest", int(hex_digest, 16))
+        return key
 
 
 def _explain_mismatch(text: str) -> str:

@@ -1,0 +1,46 @@
+# Two commands do all the set-up on a fresh machine (Debian, Python 3.10+):
+#   make demo   - install into .venv and run the main job (`mmkey demo`, in-memory cache)
+#   make test   - install the dev tools and the Mooncake store, then run every check
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# the CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test typecheck stubtest pytest bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.runtime: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.runtime
+	sh scripts/install-system-deps.sh
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(BIN)/mmkey demo
+
+typecheck: $(VENV)/.dev
+	$(BIN)/mypy
+
+stubtest: $(VENV)/.dev
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash stubs/run_stubtest.sh
+
+pytest: $(VENV)/.dev
+	$(BIN)/python -m pytest
+
+test: typecheck stubtest pytest
+
+bench: $(VENV)/.dev
+	$(BIN)/python benchmarks/bench_hash.py
+	$(BIN)/python benchmarks/bench_cache.py
+	$(BIN)/python benchmarks/bench_mooncake.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .hypothesis
