@@ -1,0 +1,329 @@
+"""`encode_with_cache` and its async twin: only cache misses reach the encoder.
+
+Each request is hashed per item, de-duplicated by key, looked up with
+``batch_is_exist`` then ``get_embeddings``; the misses (and any entry the cache said it
+held but did not return) go to `encode` in one call and are inserted; the embeddings
+come back one per item, in input order. A failing cache never fails the encode: its
+errors are logged, counted in `EncodeReport.cache_errors`, and the items are encoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeAlias, overload
+
+import torch
+
+from mmkey.cache.protocol import AsyncEmbeddingCache, EmbeddingCache
+from mmkey.digest import HashScheme, Modality
+from mmkey.encoder._plan import FAILED, EncodePlan
+from mmkey.encoder.items import Features, GridTHW
+from mmkey.encoder.report import EncodeResult
+
+__all__ = [
+    "AsyncListEncoder",
+    "AsyncPackedEncoder",
+    "ListEncoder",
+    "PackedEncoder",
+    "aencode_with_cache",
+    "aencode_with_cache_report",
+    "encode_with_cache",
+    "encode_with_cache_report",
+]
+
+PackedEncoder: TypeAlias = Callable[[torch.Tensor, torch.Tensor], Sequence[torch.Tensor]]
+"""``encode(pixel_values, grid_thw)`` of the missed items: packed rows and an [M, 3] grid."""
+
+ListEncoder: TypeAlias = Callable[
+    [list[torch.Tensor], "torch.Tensor | None"], Sequence[torch.Tensor]
+]
+"""``encode(features, grid_thw)`` of the missed items: one tensor each, grids if given."""
+
+AsyncPackedEncoder: TypeAlias = Callable[
+    [torch.Tensor, torch.Tensor],
+    "Sequence[torch.Tensor] | Awaitable[Sequence[torch.Tensor]]",
+]
+"""A `PackedEncoder` that may be a coroutine function."""
+
+AsyncListEncoder: TypeAlias = Callable[
+    [list[torch.Tensor], "torch.Tensor | None"],
+    "Sequence[torch.Tensor] | Awaitable[Sequence[torch.Tensor]]",
+]
+"""A `ListEncoder` that may be a coroutine function."""
+
+OFFLOAD_HASH_BYTES = 4 << 20
+"""The async twin hashes requests of at least this many bytes in a worker thread."""
+
+
+@overload
+def encode_with_cache_report(
+    feature: torch.Tensor,
+    grid_thw: GridTHW,
+    *,
+    encode: PackedEncoder,
+    cache: EmbeddingCache | None,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> EncodeResult: ...
+
+
+@overload
+def encode_with_cache_report(
+    feature: Sequence[torch.Tensor],
+    grid_thw: GridTHW | None = ...,
+    *,
+    encode: ListEncoder,
+    cache: EmbeddingCache | None,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> EncodeResult: ...
+
+
+def encode_with_cache_report(
+    feature: Features,
+    grid_thw: GridTHW | None = None,
+    *,
+    encode: Callable[[Any, Any], Sequence[torch.Tensor]],
+    cache: EmbeddingCache | None,
+    namespace: str,
+    modality: Modality = Modality.IMAGE,
+    scheme: HashScheme = HashScheme.BLAKE3,
+) -> EncodeResult:
+    """`encode_with_cache`, also returning the `EncodeReport` of the call."""
+    return _encode(feature, grid_thw, encode, cache, namespace, modality, scheme)
+
+
+def _encode(
+    feature: Features,
+    grid_thw: GridTHW | None,
+    encode: Callable[[Any, Any], Sequence[torch.Tensor]],
+    cache: EmbeddingCache | None,
+    namespace: str,
+    modality: Modality,
+    scheme: HashScheme,
+) -> EncodeResult:
+    plan = EncodePlan.build(
+        feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme
+    )
+    if not plan.unique_keys:
+        return plan.result()
+    if cache is not None:
+        start = time.perf_counter()
+        exists = _call(plan, "batch_is_exist", cache.batch_is_exist, plan.lookup_keys())
+        wanted = plan.take_exists(exists)
+        if wanted:
+            plan.take_embeddings(_call(plan, "get_embeddings", cache.get_embeddings, wanted))
+        plan.lookup_seconds += time.perf_counter() - start
+    if plan.misses():
+        start = time.perf_counter()
+        keys, embeddings = plan.take_encoded(encode(*plan.encode_inputs()))
+        plan.encode_seconds += time.perf_counter() - start
+        if cache is not None:
+            start = time.perf_counter()
+            plan.take_inserted(_call(plan, "insert_batch", cache.insert_batch, keys, embeddings))
+            plan.insert_seconds += time.perf_counter() - start
+    return plan.result()
+
+
+@overload
+def encode_with_cache(
+    feature: torch.Tensor,
+    grid_thw: GridTHW,
+    *,
+    encode: PackedEncoder,
+    cache: EmbeddingCache | None,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> list[torch.Tensor]: ...
+
+
+@overload
+def encode_with_cache(
+    feature: Sequence[torch.Tensor],
+    grid_thw: GridTHW | None = ...,
+    *,
+    encode: ListEncoder,
+    cache: EmbeddingCache | None,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> list[torch.Tensor]: ...
+
+
+def encode_with_cache(
+    feature: Features,
+    grid_thw: GridTHW | None = None,
+    *,
+    encode: Callable[[Any, Any], Sequence[torch.Tensor]],
+    cache: EmbeddingCache | None,
+    namespace: str,
+    modality: Modality = Modality.IMAGE,
+    scheme: HashScheme = HashScheme.BLAKE3,
+) -> list[torch.Tensor]:
+    """One embedding per item of a request, in input order; only misses are encoded.
+
+    `feature` is a packed ``[sum(t*h*w), ...]`` tensor with its `grid_thw`, or a list
+    of tensors (one per item, e.g. audio). `encode` gets the missed items in the same
+    layout and must return one embedding per missed item. Identical items are encoded
+    once and share one tensor. `cache` None encodes everything (de-duplicated).
+    A rows/grid mismatch is a `ValueError` naming the item; a bad encoder output is a
+    `TypeError`/`ValueError`; cache failures are swallowed and counted (see
+    `encode_with_cache_report`).
+    """
+    return _encode(feature, grid_thw, encode, cache, namespace, modality, scheme).embeddings
+
+
+def _call(plan: EncodePlan, operation: str, method: Callable[..., object], *args: object) -> object:
+    try:
+        return method(*args)
+    except Exception as exc:  # a cache is an optimisation: never fail the encode
+        plan.cache_failed(operation, exc)
+        return FAILED
+
+
+async def _acall(
+    plan: EncodePlan, operation: str, method: Callable[..., Awaitable[object]], *args: object
+) -> object:
+    try:
+        return await method(*args)
+    except Exception as exc:  # a cache is an optimisation: never fail the encode
+        plan.cache_failed(operation, exc)
+        return FAILED
+
+
+@overload
+async def aencode_with_cache_report(
+    feature: torch.Tensor,
+    grid_thw: GridTHW,
+    *,
+    encode: AsyncPackedEncoder,
+    cache: AsyncEmbeddingCache | None,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> EncodeResult: ...
+
+
+@overload
+async def aencode_with_cache_report(
+    feature: Sequence[torch.Tensor],
+    grid_thw: GridTHW | None = ...,
+    *,
+    encode: AsyncListEncoder,
+    cache: AsyncEmbeddingCache | None,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> EncodeResult: ...
+
+
+async def aencode_with_cache_report(
+    feature: Features,
+    grid_thw: GridTHW | None = None,
+    *,
+    encode: Callable[[Any, Any], Sequence[torch.Tensor] | Awaitable[Sequence[torch.Tensor]]],
+    cache: AsyncEmbeddingCache | None,
+    namespace: str,
+    modality: Modality = Modality.IMAGE,
+    scheme: HashScheme = HashScheme.BLAKE3,
+) -> EncodeResult:
+    """`aencode_with_cache`, also returning the `EncodeReport` of the call."""
+    return await _aencode(feature, grid_thw, encode, cache, namespace, modality, scheme)
+
+
+async def _aencode(
+    feature: Features,
+    grid_thw: GridTHW | None,
+    encode: Callable[[Any, Any], Sequence[torch.Tensor] | Awaitable[Sequence[torch.Tensor]]],
+    cache: AsyncEmbeddingCache | None,
+    namespace: str,
+    modality: Modality,
+    scheme: HashScheme,
+) -> EncodeResult:
+    build = EncodePlan.build
+    if _nbytes(feature) >= OFFLOAD_HASH_BYTES:
+        plan = await asyncio.to_thread(
+            build, feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme
+        )
+    else:
+        plan = build(feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme)
+    if not plan.unique_keys:
+        return plan.result()
+    if cache is not None:
+        start = time.perf_counter()
+        exists = await _acall(plan, "batch_is_exist", cache.batch_is_exist, plan.lookup_keys())
+        wanted = plan.take_exists(exists)
+        if wanted:
+            plan.take_embeddings(await _acall(plan, "get_embeddings", cache.get_embeddings, wanted))
+        plan.lookup_seconds += time.perf_counter() - start
+    if plan.misses():
+        start = time.perf_counter()
+        output = encode(*plan.encode_inputs())
+        if inspect.isawaitable(output):
+            output = await output
+        keys, embeddings = plan.take_encoded(output)
+        plan.encode_seconds += time.perf_counter() - start
+        if cache is not None:
+            start = time.perf_counter()
+            inserted = await _acall(plan, "insert_batch", cache.insert_batch, keys, embeddings)
+            plan.take_inserted(inserted)
+            plan.insert_seconds += time.perf_counter() - start
+    return plan.result()
+
+
+@overload
+async def aencode_with_cache(
+    feature: torch.Tensor,
+    grid_thw: GridTHW,
+    *,
+    encode: AsyncPackedEncoder,
+    cache: AsyncEmbeddingCache | None,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> list[torch.Tensor]: ...
+
+
+@overload
+async def aencode_with_cache(
+    feature: Sequence[torch.Tensor],
+    grid_thw: GridTHW | None = ...,
+    *,
+    encode: AsyncListEncoder,
+    cache: AsyncEmbeddingCache | None,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> list[torch.Tensor]: ...
+
+
+async def aencode_with_cache(
+    feature: Features,
+    grid_thw: GridTHW | None = None,
+    *,
+    encode: Callable[[Any, Any], Sequence[torch.Tensor] | Awaitable[Sequence[torch.Tensor]]],
+    cache: AsyncEmbeddingCache | None,
+    namespace: str,
+    modality: Modality = Modality.IMAGE,
+    scheme: HashScheme = HashScheme.BLAKE3,
+) -> list[torch.Tensor]:
+    """The asyncio twin of `encode_with_cache`, over an `AsyncEmbeddingCache`.
+
+    `encode` may be a coroutine function or a plain one (a plain one runs on the event
+    loop: wrap a slow model in ``asyncio.to_thread``). Requests of at least
+    `OFFLOAD_HASH_BYTES` are hashed in a worker thread.
+    """
+    result = await _aencode(feature, grid_thw, encode, cache, namespace, modality, scheme)
+    return result.embeddings
+
+
+def _nbytes(feature: Features) -> int:
+    if isinstance(feature, torch.Tensor):
+        return feature.numel() * feature.element_size()
+    return sum(t.numel() * t.element_size() for t in feature)
