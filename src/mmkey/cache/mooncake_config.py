@@ -1,0 +1,168 @@
+"""`MooncakeConfig`: how to reach a Mooncake store, with Mooncake's own field names."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from mmkey._net import parse_host_port
+
+__all__ = ["MooncakeConfig", "parse_size"]
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(kb|mb|gb|tb|k|m|g|t|b)?", re.ASCII | re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_PROTOCOLS = frozenset({"tcp", "rdma"})
+
+
+def parse_size(value: int | str, field: str = "size") -> int:
+    """Bytes from an int or Mooncake's size text (``"512MB"``, ``"1g"``, ``"3355443200"``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{field} must be an int or size text like '512MB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.fullmatch(value.strip())
+    if match is None:
+        raise ValueError(
+            f"{field}: cannot read {value!r} as a size; write bytes or a number with "
+            "a unit k/kb, m/mb, g/gb, t/tb (powers of 1024), e.g. '512MB'"
+        )
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()[:1]])
+
+
+def _non_negative_size(_: object, attribute: attrs.Attribute[int], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"MooncakeConfig.{attribute.name} must be a byte count >= 0, got {value!r}")
+
+
+def _positive_size(_: object, attribute: attrs.Attribute[int], value: Any) -> None:
+    _non_negative_size(_, attribute, value)
+    if value == 0:
+        raise ValueError(f"MooncakeConfig.{attribute.name} must be > 0: it bounds one entry")
+
+
+def _seconds(_: object, attribute: attrs.Attribute[float], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"MooncakeConfig.{attribute.name} must be seconds (a float), got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"MooncakeConfig.{attribute.name} must be finite and > 0, got {value!r}")
+
+
+def _address(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"MooncakeConfig.{attribute.name} must be 'host:port' text, got {value!r}")
+    try:
+        parse_host_port(value)
+    except ValueError as exc:
+        raise ValueError(f"MooncakeConfig.{attribute.name}: {exc}") from None
+
+
+def _text(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"MooncakeConfig.{attribute.name} must be str, got {value!r}")
+
+
+def _protocol(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
+    if value not in _PROTOCOLS:
+        raise ValueError(
+            f"MooncakeConfig.protocol must be one of {sorted(_PROTOCOLS)}, got {value!r}"
+        )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class MooncakeConfig:
+    """How to reach a Mooncake store, and how long a cache call may wait for it.
+
+    Field names are Mooncake's own. Sizes are bytes. Deadlines are seconds: no cache
+    call blocks its caller longer than `deadline` (or `setup_deadline` to connect);
+    after a failure the store is left alone for `retry_after` seconds.
+    """
+
+    master_server_address: str = attrs.field(validator=_address)
+    local_hostname: str = attrs.field(default="127.0.0.1", validator=[_text, attrs.validators.min_len(1)])
+    protocol: str = attrs.field(default="tcp", validator=_protocol)
+    device_name: str = attrs.field(default="", validator=_text)
+    metadata_server: str = attrs.field(default="P2PHANDSHAKE", validator=[_text, attrs.validators.min_len(1)])
+    global_segment_size: int = attrs.field(default=512 << 20, validator=_non_negative_size)
+    """Memory this client lends to the store (0: a pure client that holds nothing)."""
+    local_buffer_size: int = attrs.field(default=128 << 20, validator=_positive_size)
+    """Transfer buffer; also the largest entry one put can carry."""
+    deadline: float = attrs.field(default=0.5, validator=_seconds)
+    setup_deadline: float = attrs.field(default=5.0, validator=_seconds)
+    retry_after: float = attrs.field(default=1.0, validator=_seconds)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> MooncakeConfig:
+        """Read Mooncake's own variables: ``MOONCAKE_CONFIG_PATH`` (a JSON file with these
+        field names) or ``MOONCAKE_MASTER`` plus ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
+        ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``,
+        ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_LOCAL_HOSTNAME``. Keyword overrides win."""
+        env = os.environ if environ is None else environ
+        fields: dict[str, Any] = {}
+        path = env.get("MOONCAKE_CONFIG_PATH")
+        if path:
+            fields.update(_read_config_file(path))
+        for var, name in _ENV_FIELDS.items():
+            if env.get(var):
+                fields[name] = env[var]
+        fields.update(overrides)
+        if "master_server_address" not in fields:
+            raise ValueError(
+                "no Mooncake master configured: set MOONCAKE_MASTER=host:port "
+                "(or MOONCAKE_CONFIG_PATH to a JSON config file)"
+            )
+        for name in ("global_segment_size", "local_buffer_size"):
+            if name in fields:
+                fields[name] = parse_size(fields[name], name)
+        return cls(**fields)
+
+    def setup_args(self) -> tuple[str, str, int, int, str, str, str]:
+        """The positional arguments of ``MooncakeDistributedStore.setup``."""
+        return (
+            self.local_hostname,
+            self.metadata_server,
+            self.global_segment_size,
+            self.local_buffer_size,
+            self.protocol,
+            self.device_name,
+            self.master_server_address,
+        )
+
+
+_ENV_FIELDS = {
+    "MOONCAKE_MASTER": "master_server_address",
+    "MOONCAKE_PROTOCOL": "protocol",
+    "MOONCAKE_DEVICE": "device_name",
+    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
+    "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
+    "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
+}
+_FILE_FIELDS = frozenset(
+    {
+        "master_server_address",
+        "local_hostname",
+        "protocol",
+        "device_name",
+        "metadata_server",
+        "global_segment_size",
+        "local_buffer_size",
+    }
+)
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: cannot read a JSON config: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: expected a JSON object")
+    return {k: v for k, v in data.items() if k in _FILE_FIELDS}

@@ -1,0 +1,93 @@
+"""The deadline runner and the circuit breaker behind the Mooncake adapter."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mmkey.cache._runner import Breaker, CallTimeout, DeadlineRunner
+from mmkey.errors import StoreError
+
+
+def test_runner_returns_results_and_raises_errors_of_the_call() -> None:
+    runner = DeadlineRunner("test")
+    assert runner.call(lambda: 41 + 1, deadline=5) == 42
+
+    def boom() -> int:
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        runner.call(boom, deadline=5)
+    runner.stop()
+
+
+def test_a_stuck_call_times_out_and_keeps_the_runner_busy_until_it_ends() -> None:
+    runner = DeadlineRunner("test")
+    release = threading.Event()
+    with pytest.raises(CallTimeout):
+        runner.call(lambda: release.wait(10), deadline=0.05)
+    assert runner.is_busy()
+    release.set()
+    assert runner.call(lambda: "after", deadline=5) == "after"
+    assert not runner.is_busy()
+    assert issubclass(CallTimeout, StoreError)
+    runner.stop()
+
+
+def test_calls_run_one_at_a_time_in_order() -> None:
+    runner = DeadlineRunner("test")
+    seen: list[int] = []
+    active = 0
+    overlap = False
+    lock = threading.Lock()
+
+    def task(i: int) -> None:
+        nonlocal active, overlap
+        with lock:
+            active += 1
+            overlap |= active > 1
+        seen.append(i)
+        with lock:
+            active -= 1
+
+    futures = [runner.submit(lambda i=i: task(i)) for i in range(200)]  # type: ignore[misc]
+    for f in futures:
+        f.result(timeout=5)
+    assert seen == list(range(200)) and not overlap
+    runner.stop()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_on_failure_and_lets_one_trial_through_after_the_wait() -> None:
+    clock = FakeClock()
+    breaker = Breaker(retry_after=2.0, clock=clock)
+    assert breaker.allow() and not breaker.is_open()
+    breaker.failure()
+    assert breaker.is_open() and not breaker.allow()
+    clock.now += 1.9
+    assert not breaker.allow()
+    clock.now += 0.2
+    assert breaker.allow()  # the trial
+    assert not breaker.allow()  # only one per period
+    breaker.success()
+    assert breaker.allow() and breaker.allow() and not breaker.is_open()
+
+
+def test_a_failed_trial_reopens_the_breaker() -> None:
+    clock = FakeClock()
+    breaker = Breaker(retry_after=1.0, clock=clock)
+    breaker.failure()
+    clock.now += 1.5
+    assert breaker.allow()
+    breaker.failure()
+    assert not breaker.allow()
+    clock.now += 1.01
+    assert breaker.allow()
