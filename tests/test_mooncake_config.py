@@ -1,0 +1,111 @@
+"""MooncakeConfig: Mooncake's field names, its environment variables, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+
+from mmkey.cache.mooncake_config import MooncakeConfig, parse_size
+
+
+def test_defaults_use_mooncake_names_and_a_p2p_handshake() -> None:
+    config = MooncakeConfig(master_server_address="127.0.0.1:50051")
+    assert config.metadata_server == "P2PHANDSHAKE"
+    assert config.protocol == "tcp"
+    assert config.deadline < 2.0
+    assert config.setup_args() == (
+        "127.0.0.1", "P2PHANDSHAKE", 512 << 20, 128 << 20, "tcp", "", "127.0.0.1:50051",
+    )
+
+
+def test_config_is_frozen() -> None:
+    config = MooncakeConfig(master_server_address="127.0.0.1:50051")
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        config.deadline = 3.0  # type: ignore[misc]
+
+
+def test_from_env_reads_mooncakes_variables() -> None:
+    env = {
+        "MOONCAKE_MASTER": "10.0.0.5:50051",
+        "MOONCAKE_PROTOCOL": "rdma",
+        "MOONCAKE_DEVICE": "mlx5_0",
+        "MOONCAKE_TE_META_DATA_SERVER": "http://meta:8080/metadata",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1gb",
+        "MOONCAKE_LOCAL_BUFFER_SIZE": "268435456",
+        "MOONCAKE_LOCAL_HOSTNAME": "10.0.0.7",
+    }
+    config = MooncakeConfig.from_env(env, deadline=0.25)
+    assert config == MooncakeConfig(
+        master_server_address="10.0.0.5:50051",
+        protocol="rdma",
+        device_name="mlx5_0",
+        metadata_server="http://meta:8080/metadata",
+        global_segment_size=1 << 30,
+        local_buffer_size=256 << 20,
+        local_hostname="10.0.0.7",
+        deadline=0.25,
+    )
+
+
+def test_from_env_reads_a_config_file_and_lets_variables_win(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({
+        "master_server_address": "127.0.0.1:7000",
+        "local_buffer_size": "64MB",
+        "protocol": "tcp",
+        "unknown_field": 1,
+    }))
+    config = MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(path), "MOONCAKE_PROTOCOL": "rdma"})
+    assert config.master_server_address == "127.0.0.1:7000"
+    assert config.local_buffer_size == 64 << 20
+    assert config.protocol == "rdma"
+
+
+def test_from_env_without_a_master_says_what_to_set() -> None:
+    with pytest.raises(ValueError, match="MOONCAKE_MASTER"):
+        MooncakeConfig.from_env({})
+
+
+def test_from_env_with_an_unreadable_file_names_it(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="MOONCAKE_CONFIG_PATH"):
+        MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(bad)})
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("512MB", 512 << 20), ("1g", 1 << 30), ("3355443200", 3355443200), (" 2 KB ", 2048), ("1.5m", 3 << 19), (7, 7)],
+)
+def test_sizes_read_like_mooncake_reads_them(text: int | str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "MB", "12 parsecs", "-1", "1e9"])
+def test_bad_sizes_are_value_errors(text: str) -> None:
+    with pytest.raises(ValueError, match="512MB"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"master_server_address": "nohost"}, ValueError, "host:port"),
+        ({"master_server_address": "h:99999"}, ValueError, "outside 1..65535"),
+        ({"master_server_address": 50051}, TypeError, "host:port"),
+        ({"protocol": "udp"}, ValueError, "tcp"),
+        ({"deadline": 0}, ValueError, "> 0"),
+        ({"deadline": float("inf")}, ValueError, "finite"),
+        ({"deadline": "1"}, TypeError, "seconds"),
+        ({"global_segment_size": -1}, ValueError, ">= 0"),
+        ({"local_buffer_size": 0}, ValueError, "> 0"),
+        ({"local_hostname": ""}, ValueError, "local_hostname"),
+    ],
+)
+def test_bad_values_are_clear_errors(fields: dict[str, object], error: type, match: str) -> None:
+    args: dict[str, object] = {"master_server_address": "127.0.0.1:50051", **fields}
+    with pytest.raises(error, match=match):
+        MooncakeConfig(**args)  # type: ignore[arg-type]
