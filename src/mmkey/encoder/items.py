@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import TypeAlias, overload
 
 import attrs
 import torch
@@ -189,6 +189,18 @@ def digests_of(items: Items, scheme: HashScheme) -> list[MMHash]:
     return [item_digest(rows, grid, scheme) for rows, grid in zip(items.rows, grids)]
 
 
+@overload
+def hashes_from_features(
+    feature: torch.Tensor, grid_thw: GridTHW, *, scheme: HashScheme = ...
+) -> list[MMHash]: ...
+
+
+@overload
+def hashes_from_features(
+    feature: Sequence[torch.Tensor], grid_thw: GridTHW | None = ..., *, scheme: HashScheme = ...
+) -> list[MMHash]: ...
+
+
 def hashes_from_features(
     feature: Features,
     grid_thw: GridTHW | None = None,
@@ -217,6 +229,28 @@ def embedding_keys(
     return [EmbeddingKey(namespace, modality, scheme, d) for d in digests]
 
 
+@overload
+def keys_from_features(
+    feature: torch.Tensor,
+    grid_thw: GridTHW,
+    *,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> list[EmbeddingKey]: ...
+
+
+@overload
+def keys_from_features(
+    feature: Sequence[torch.Tensor],
+    grid_thw: GridTHW | None = ...,
+    *,
+    namespace: str,
+    modality: Modality = ...,
+    scheme: HashScheme = ...,
+) -> list[EmbeddingKey]: ...
+
+
 def keys_from_features(
     feature: Features,
     grid_thw: GridTHW | None = None,
@@ -226,5 +260,5 @@ def keys_from_features(
     scheme: HashScheme = HashScheme.BLAKE3,
 ) -> list[EmbeddingKey]:
     """The cache key of each item of a request, as `encode_with_cache` computes them."""
-    digests = hashes_from_features(feature, grid_thw, scheme=scheme)
+    digests = digests_of(split_items(feature, grid_thw), scheme)
     return embedding_keys(digests, namespace=namespace, modality=modality, scheme=scheme)
