@@ -14,8 +14,6 @@ __all__ = ["parse_host_port", "port_accepts", "wait_port_open"]
 
 def parse_host_port(address: str) -> tuple[str, int]:
     """Split ``"host:port"`` (or ``"[v6]:port"``) into ``(host, port)``; ``ValueError`` if malformed."""
-    if not isinstance(address, str):
-        raise TypeError(f"address must be a str like '127.0.0.1:50051', got {type(address).__name__}")
     expected = "expected 'host:port' such as '127.0.0.1:50051' or '[::1]:50051'"
     if address != address.strip() or not address:
         raise ValueError(f"invalid address {address!r}: {expected}")

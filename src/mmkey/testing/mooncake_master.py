@@ -1,0 +1,466 @@
+"""Start a real local ``mooncake_master`` on 127.0.0.1 for tests, with fault controls.
+
+``running_master()`` picks free ports, starts the master, waits until it serves and stops it
+on exit; the yielded `MasterProcess` can pause, kill and restart it on the same ports. Nothing
+here imports mooncake at module import time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import weakref
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from mmkey._net import port_accepts
+
+__all__ = [
+    "HOST",
+    "INSTALL_HINT",
+    "MasterProcess",
+    "MasterStartError",
+    "find_master_binary",
+    "master_available",
+    "master_unavailable_reason",
+    "running_master",
+]
+
+HOST = "127.0.0.1"
+"""The only interface the test master listens on."""
+
+_STOP_GRACE_S = 5.0
+_POLL_S = 0.02
+_PORT_ATTEMPTS = 5
+_LOG_TAIL_CHARS = 4000
+# A proxy configured in the environment must never see requests to the local master.
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_LIVE: weakref.WeakSet[MasterProcess] = weakref.WeakSet()
+
+
+class MasterStartError(RuntimeError):
+    """The master did not become ready; the message carries the tail of its log."""
+
+
+class _EarlyExit(Exception):
+    """The master process exited while we waited for it to become ready."""
+
+
+def find_master_binary() -> str | None:
+    """Path of ``mooncake_master``: next to ``sys.executable`` first, then PATH, then the wheel."""
+    here = shutil.which("mooncake_master", path=os.path.dirname(sys.executable))
+    if here:
+        return here
+    on_path = shutil.which("mooncake_master")
+    if on_path:
+        return on_path
+    try:
+        spec = importlib.util.find_spec("mooncake")  # locates the package without importing it
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = os.path.join(folder, "mooncake_master")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+INSTALL_HINT = (
+    "pip install 'mmkey[mooncake-cpu]' (or 'mmkey[mooncake]' on NVIDIA machines) and, on "
+    "Debian/Ubuntu, apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4"
+)
+"""How to get the binding and the master binary, for skip and error messages."""
+
+
+def master_unavailable_reason() -> str | None:
+    """Why a local master cannot run here (with the install hint), or ``None`` when it can."""
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"the Mooncake binding does not import ({exc}); {INSTALL_HINT}"
+    if find_master_binary() is None:
+        return f"no mooncake_master binary was found; {INSTALL_HINT}"
+    return None
+
+
+def master_available() -> bool:
+    """Whether the Mooncake binding imports and a ``mooncake_master`` binary exists."""
+    return master_unavailable_reason() is None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _two_free_ports() -> tuple[int, int]:
+    first = _free_port()
+    second = _free_port()
+    while second == first:
+        second = _free_port()
+    return first, second
+
+
+def _health(metrics_port: int, timeout: float) -> dict[str, object] | None:
+    """The master's ``/health`` document, or ``None`` when it does not answer in time."""
+    try:
+        with _HTTP.open(f"http://{HOST}:{metrics_port}/health", timeout=timeout) as response:
+            body = response.read(65536)
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on ``port`` (Linux ``/proc``), or ``None`` where unknown."""
+    found: set[str] = set()
+    readable = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != "0A":  # 0A = LISTEN
+                continue
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.add(fields[9])
+    return found if readable else None
+
+
+def _owns_listener(pid: int, port: int) -> bool:
+    """Whether ``pid`` holds the socket listening on ``port`` (``True`` where /proc cannot tell).
+
+    Guards against a port taken by someone else: that master exits, but for a moment the other
+    process answers on the port and would look like ours.
+    """
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return True
+    if not inodes:
+        return False
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return True
+    for fd in fds:
+        try:
+            link = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
+
+
+def _wait_stopped(pid: int, *, stopped: bool, timeout: float = 2.0) -> None:
+    """Wait until /proc shows ``pid`` stopped (or running again); signals land asynchronously."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return  # no /proc here, or the process is gone: nothing to wait for
+        if (text[text.rindex(")") + 2 : text.rindex(")") + 3] in ("T", "t")) == stopped:
+            return
+        time.sleep(0.001)
+
+
+class MasterProcess:
+    """A mutable handle on one local master; ``restart()`` keeps its ports and address.
+
+    Create it with `running_master`. ``pid`` is the current process (it changes on restart);
+    ``rpc_port``, ``metrics_port`` and ``address`` never change.
+    """
+
+    def __init__(
+        self,
+        *,
+        binary: str,
+        rpc_port: int,
+        metrics_port: int,
+        workdir: Path,
+        extra_args: Sequence[str] = (),
+        timeout: float = 15.0,
+    ) -> None:
+        self._binary = binary
+        self._rpc_port = rpc_port
+        self._metrics_port = metrics_port
+        self._workdir = workdir
+        self._extra_args = tuple(extra_args)
+        self._timeout = timeout
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._starts = 0
+        self._paused = False
+        self._last_pid = 0
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def pid(self) -> int:
+        """PID of the current (or last) master process."""
+        return self._last_pid
+
+    @property
+    def rpc_port(self) -> int:
+        """The RPC port clients connect to."""
+        return self._rpc_port
+
+    @property
+    def metrics_port(self) -> int:
+        """The HTTP metrics/admin port (``/health``, ``/metrics``)."""
+        return self._metrics_port
+
+    @property
+    def host(self) -> str:
+        """Always ``"127.0.0.1"``."""
+        return HOST
+
+    @property
+    def address(self) -> str:
+        """``"127.0.0.1:RPC_PORT"``, what a store's ``master_server_addr`` takes."""
+        return f"{HOST}:{self._rpc_port}"
+
+    @property
+    def health_url(self) -> str:
+        """URL of the master's ``/health`` document."""
+        return f"http://{HOST}:{self._metrics_port}/health"
+
+    @property
+    def log_path(self) -> Path:
+        """File that receives the master's stdout and stderr (all starts, appended)."""
+        return self._workdir / "master.log"
+
+    @property
+    def command(self) -> list[str]:
+        """The command line each start runs."""
+        return [
+            self._binary,
+            f"--rpc_address={HOST}",
+            f"--rpc_port={self._rpc_port}",
+            f"--metrics_host={HOST}",
+            f"--metrics_port={self._metrics_port}",
+            "--enable_metric_reporting=false",
+            "--logtostderr=true",
+            *self._extra_args,
+        ]
+
+    @property
+    def paused(self) -> bool:
+        """Whether the master is stopped by `pause` (SIGSTOP)."""
+        return self._paused
+
+    def __repr__(self) -> str:
+        state = "paused" if self._paused else ("running" if self.is_running() else "stopped")
+        return f"<MasterProcess {self.address} pid={self._last_pid} {state}>"
+
+    # -- state ----------------------------------------------------------------------------
+    def is_running(self) -> bool:
+        """Whether the process exists and has not exited (a paused master counts)."""
+        proc = self._proc  # no lock: must not block while another thread restarts
+        return proc is not None and proc.poll() is None
+
+    def health(self, timeout: float = 0.5) -> dict[str, object] | None:
+        """The ``/health`` document, or ``None`` if the master does not answer within ``timeout``."""
+        return _health(self._metrics_port, timeout)
+
+    def is_ready(self, timeout: float = 0.5) -> bool:
+        """RPC port accepts TCP and ``/health`` says ``service_ready``, both from this process."""
+        proc = self._proc  # no lock: must not block while another thread restarts
+        if proc is None or proc.poll() is not None:
+            return False
+        pid = proc.pid
+        if not port_accepts(HOST, self._rpc_port, timeout):
+            return False
+        doc = _health(self._metrics_port, timeout)
+        if doc is None or doc.get("service_ready") is not True:
+            return False
+        return _owns_listener(pid, self._rpc_port) and _owns_listener(pid, self._metrics_port)
+
+    def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
+        """The last ``chars`` characters of the master's log."""
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-chars:].decode("utf-8", "replace")
+
+    # -- control --------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Freeze the master with SIGSTOP (returns once it is stopped): it keeps its ports,
+        the kernel still accepts connections, but nothing answers."""
+        with self._lock:
+            self._signal(signal.SIGSTOP)
+            self._paused = True
+            _wait_stopped(self._last_pid, stopped=True)
+
+    def resume(self) -> None:
+        """Undo `pause` with SIGCONT (returns once it runs again)."""
+        with self._lock:
+            self._signal(signal.SIGCONT)
+            self._paused = False
+            _wait_stopped(self._last_pid, stopped=False)
+
+    def kill(self) -> None:
+        """SIGKILL the master and reap it, like a crash: every key it indexed is gone."""
+        with self._lock:
+            proc = self._proc
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+            self._paused = False
+
+    def stop(self) -> None:
+        """Stop gracefully: SIGCONT, SIGTERM, up to 5 s, then SIGKILL; always reaps."""
+        with self._lock:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.terminate()
+                try:
+                    proc.wait(timeout=_STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    proc.wait()
+            elif proc is not None:
+                proc.wait()
+            self._paused = False
+
+    def restart(self, timeout: float | None = None) -> None:
+        """Stop the master if it runs, start a fresh one on the same ports, wait until ready."""
+        budget = self._timeout if timeout is None else timeout
+        with self._lock:
+            self.stop()
+            deadline = time.monotonic() + budget
+            while True:
+                try:
+                    self._start_once(deadline)
+                    return
+                except _EarlyExit:
+                    # The old sockets may linger for a moment; the ports are ours, so try again.
+                    if time.monotonic() + 0.1 >= deadline:
+                        raise MasterStartError(self._failure("exited during restart")) from None
+                    time.sleep(0.1)
+
+    # -- internals ------------------------------------------------------------------------
+    def _signal(self, sig: signal.Signals) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            raise ProcessLookupError(f"mooncake_master at {self.address} is not running")
+        os.kill(proc.pid, sig)
+
+    def _failure(self, what: str) -> str:
+        tail = self.log_tail()
+        return (
+            f"mooncake_master {what} (rpc {self.address}, metrics port {self._metrics_port}, "
+            f"command {' '.join(self.command)}); log {self.log_path} ends with:\n{tail}"
+        )
+
+    def _start(self) -> None:
+        """One attempt: spawn and wait for readiness within the handle's timeout."""
+        with self._lock:
+            self._start_once(time.monotonic() + self._timeout)
+
+    def _start_once(self, deadline: float) -> None:
+        self._starts += 1
+        env = dict(os.environ, MC_LOG_LEVEL="ERROR")
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            log.write(f"=== start {self._starts}: {' '.join(self.command)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self._workdir,
+                close_fds=True,
+            )
+        self._proc = proc
+        self._last_pid = proc.pid
+        self._paused = False
+        _LIVE.add(self)
+        while True:
+            if proc.poll() is not None:
+                raise _EarlyExit(proc.returncode)
+            if self.is_ready(timeout=0.5):
+                return
+            if time.monotonic() >= deadline:
+                message = self._failure("was not ready in time")
+                self.stop()
+                raise MasterStartError(message)
+            time.sleep(_POLL_S)
+
+
+@contextlib.contextmanager
+def running_master(
+    *, timeout: float = 15.0, extra_args: Sequence[str] = ()
+) -> Iterator[MasterProcess]:
+    """Run a local master on free loopback ports for the duration of the ``with`` block.
+
+    ``extra_args`` are appended to the command line (a later gflag wins). Raises
+    `MasterStartError` when it cannot start, and ``FileNotFoundError`` without a binary.
+    """
+    binary = find_master_binary()
+    if binary is None:
+        raise FileNotFoundError(f"mooncake_master not found; {INSTALL_HINT}")
+    workdir = Path(tempfile.mkdtemp(prefix="mmkey-mooncake-master-"))
+    handle: MasterProcess | None = None
+    try:
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            rpc_port, metrics_port = _two_free_ports()
+            handle = MasterProcess(
+                binary=binary,
+                rpc_port=rpc_port,
+                metrics_port=metrics_port,
+                workdir=workdir,
+                extra_args=extra_args,
+                timeout=timeout,
+            )
+            try:
+                handle._start()
+                break
+            except _EarlyExit:
+                # Most likely a port picked here was taken before the master bound it.
+                if attempt == _PORT_ATTEMPTS:
+                    raise MasterStartError(
+                        handle._failure(f"exited during startup {attempt} times")
+                    ) from None
+        assert handle is not None
+        yield handle
+    finally:
+        if handle is not None:
+            handle.stop()
+            _LIVE.discard(handle)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for handle in list(_LIVE):
+        with contextlib.suppress(Exception):
+            handle.stop()

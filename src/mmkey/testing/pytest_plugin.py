@@ -1,0 +1,62 @@
+"""pytest plugin of mmkey: fixtures that run a real local Mooncake master.
+
+``mooncake_master`` gives each test a fresh master (pause, kill and restart it freely);
+``mooncake_master_session`` shares one for the whole session (leave it running). Both skip
+the test, naming what to install, when the binding or the binary is missing; set
+``MMKEY_REQUIRE_MOONCAKE=1`` to fail instead (for CI jobs that must run them).
+Registered through the ``pytest11`` entry point; importing it loads neither mooncake nor
+hypothesis.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from mmkey.testing.mooncake_master import MasterProcess
+
+__all__ = ["mooncake_master", "mooncake_master_session"]
+
+REQUIRE_ENV = "MMKEY_REQUIRE_MOONCAKE"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Declare the ``mooncake`` marker so suites using ``--strict-markers`` accept it."""
+    config.addinivalue_line(
+        "markers", "mooncake: needs the Mooncake binding and a local mooncake_master"
+    )
+
+
+def _require_master() -> None:
+    from mmkey.testing.mooncake_master import master_unavailable_reason
+
+    reason = master_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+        pytest.fail(f"{REQUIRE_ENV} is set but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def mooncake_master() -> Iterator[MasterProcess]:
+    """A fresh local master for one test, stopped (and reaped) afterwards."""
+    _require_master()
+    from mmkey.testing.mooncake_master import running_master
+
+    with running_master() as master:
+        yield master
+
+
+@pytest.fixture(scope="session")
+def mooncake_master_session() -> Iterator[MasterProcess]:
+    """One local master shared by the session: do not pause, kill or restart it."""
+    _require_master()
+    from mmkey.testing.mooncake_master import running_master
+
+    with running_master() as master:
+        yield master

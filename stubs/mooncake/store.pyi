@@ -1,0 +1,147 @@
+# Stubs for the pybind11 module `mooncake.store` (mooncake-transfer-engine 0.3.13).
+#
+# Only what a cache uses, with return types measured against a real mooncake_master
+# (tests/test_mooncake_contract.py re-checks them). Methods left out are listed, with reasons,
+# in stubs/stubtest_allowlist.txt. Parameters the binding names `arg0` are positional-only.
+#
+# Traps the types cannot show (see the contract test and /work/shared/MOONCAKE.md):
+# - put, is_exist, batch_is_exist, remove, put_batch, get_size, get_hostname, remove_all
+#   crash the interpreter on a store that is not set up or already closed.
+# - A value whose items are wider than one byte (a float32 array) stores item-count bytes;
+#   hence values are typed as bytes, bytearray or memoryview, not any buffer.
+# - get/get_batch return b"" both for a missing key and on error; get_batch([]) returns [b""].
+
+from collections.abc import Sequence
+from typing import Any, overload
+
+from typing_extensions import TypeAlias
+
+_Value: TypeAlias = bytes | bytearray | memoryview
+
+class ReplicateConfig:
+    """Replication settings of one put; the default is one replica, no pinning."""
+
+    replica_num: int
+    with_hard_pin: bool
+    preferred_segment: str
+    preferred_segments: list[str]
+    prefer_alloc_in_same_node: bool
+    def __init__(self) -> None: ...
+
+class MooncakeDistributedStore:
+    """Client of a Mooncake master; every call returns a status code or data, never raises."""
+
+    def __init__(self) -> None: ...
+    @overload
+    def setup(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        global_segment_size: int,
+        local_buffer_size: int,
+        protocol: str,
+        rdma_devices: str,
+        master_server_addr: str,
+        engine: object | None = None,
+        enable_ssd_offload: bool = False,
+        ssd_offload_path: str = "",
+        tenant_id: str = "default",
+        enable_client_http_server: bool = False,
+        client_http_port: int = 9300,
+    ) -> int:
+        """0 on success. Blocks ~90 s when no master listens: probe its port first."""
+
+    @overload
+    def setup(self, config: dict[str, Any]) -> int:
+        """Same keys as the positional form; unknown keys are ignored silently."""
+
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up or closed, 2 master unreachable (heartbeat-based: ~1 s late)."""
+
+    def close(self) -> int:
+        """0; safe to repeat and on a store never set up. Takes ~1-2 s."""
+
+    def get_hostname(self) -> str:
+        """``"host:port"`` of this client's transfer endpoint."""
+    # -- single key ------------------------------------------------------------------
+    def put(self, key: str, value: _Value, config: ReplicateConfig = ...) -> int:
+        """0 ok (also when the key exists: it is NOT overwritten), negative error code."""
+
+    def upsert(self, key: str, value: _Value, config: ReplicateConfig = ...) -> int:
+        """0 ok, replacing an existing value; negative error code."""
+
+    def get(self, key: str, /) -> bytes:
+        """The value, or ``b""`` for a missing key and on any error."""
+
+    def get_size(self, key: str, /) -> int:
+        """Size in bytes, or a negative error code (-704 not found)."""
+
+    def is_exist(self, key: str, /) -> int:
+        """1 exists, 0 not, negative error code."""
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """0, -704 not found, -706 under lease (10 s after a read) unless ``force``."""
+
+    def remove_all(self, force: bool = False) -> int:
+        """Number of objects removed, or a negative error code."""
+    # -- batches ---------------------------------------------------------------------
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        """One 1 / 0 / negative code per key."""
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
+        """One status code per key."""
+
+    def get_batch(self, keys: list[str], /) -> list[bytes]:
+        """One value or ``b""`` per key. De-duplicate keys first: duplicates read stale data."""
+
+    def put_batch(
+        self, keys: list[str], values: Sequence[_Value], config: ReplicateConfig = ...
+    ) -> int:
+        """ONE code for the whole batch: one bad item fails all of it."""
+
+    def upsert_batch(
+        self, keys: list[str], values: Sequence[_Value], config: ReplicateConfig = ...
+    ) -> int:
+        """ONE code for the whole batch."""
+    # -- zero copy from registered buffers -------------------------------------------
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """0 ok; the memory must stay alive until `unregister_buffer`."""
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        """0 ok, -600 if not registered."""
+
+    def put_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = ...
+    ) -> int:
+        """0 ok (an existing key is not overwritten), negative error code."""
+
+    def upsert_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = ...
+    ) -> int:
+        """0 ok, replacing an existing value; negative error code."""
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Bytes read, -600 if ``size`` is too small, -704 not found."""
+
+    def batch_put_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        config: ReplicateConfig = ...,
+    ) -> list[int]:
+        """One status code per key."""
+
+    def batch_upsert_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        config: ReplicateConfig = ...,
+    ) -> list[int]:
+        """One status code per key."""
+
+    def batch_get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
+        """Bytes read or a negative code per key. De-duplicate keys first."""

@@ -1,0 +1,293 @@
+"""Contract of stubs/mooncake/store.pyi: the real binding returns what the stub says.
+
+Runs against a real local master. Every store here is set up successfully before any call
+other than ``health_check``/``close`` (the binding crashes the interpreter otherwise).
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from mmkey.testing.mooncake_master import MasterProcess, master_unavailable_reason
+from mmkey.testing.pytest_plugin import REQUIRE_ENV
+
+_unavailable = master_unavailable_reason()
+if _unavailable is not None:
+    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+        pytest.fail(f"{REQUIRE_ENV} is set but {_unavailable}", pytrace=False)
+    pytest.skip(_unavailable, allow_module_level=True)
+
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
+
+pytestmark = pytest.mark.mooncake
+
+MiB = 1 << 20
+OK = 0
+INVALID_PARAMS = -600
+NOT_FOUND = -704
+HAS_LEASE = -706
+
+
+def _setup(address: str, segment: int = 64 * MiB) -> MooncakeDistributedStore:
+    store = MooncakeDistributedStore()
+    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment, 64 * MiB, "tcp", "", address)
+    assert type(rc) is int
+    if rc != OK:
+        store.close()
+        pytest.fail(f"setup against {address} returned {rc}")
+    return store
+
+
+@pytest.fixture(scope="module")
+def store(mooncake_master_session: MasterProcess) -> Iterator[MooncakeDistributedStore]:
+    s = _setup(mooncake_master_session.address)
+    yield s
+    assert s.close() == OK
+
+
+@pytest.fixture
+def key() -> str:
+    """A key prefix no other test uses."""
+    return f"contract-{uuid.uuid4().hex}"
+
+
+def _int_list(value: object) -> list[int]:
+    assert type(value) is list
+    assert all(type(item) is int for item in value)
+    return value
+
+
+def test_session_basics(store: MooncakeDistributedStore) -> None:
+    health = store.health_check()
+    assert type(health) is int
+    assert health == OK
+    hostname = store.get_hostname()
+    assert type(hostname) is str
+    assert hostname.startswith("127.0.0.1:")
+
+
+def test_put_get_upsert(store: MooncakeDistributedStore, key: str) -> None:
+    rc = store.put(key, b"first")
+    assert type(rc) is int
+    assert rc == OK
+    value = store.get(key)
+    assert type(value) is bytes
+    assert value == b"first"
+    assert store.put(key, b"second") == OK  # reports success ...
+    assert store.get(key) == b"first"  # ... but does not overwrite
+    assert store.upsert(key, b"third") == OK
+    assert store.get(key) == b"third"
+    missing = store.get(key + "-missing")
+    assert type(missing) is bytes
+    assert missing == b""
+
+
+def test_value_types_of_the_stub(store: MooncakeDistributedStore, key: str) -> None:
+    assert store.put(key + "-ba", bytearray(b"abc")) == OK
+    assert store.put(key + "-mv", memoryview(b"abcd")) == OK
+    assert store.get(key + "-ba") == b"abc"
+    assert store.get(key + "-mv") == b"abcd"
+    assert store.put(key + "-empty", b"") == INVALID_PARAMS  # empty values cannot be stored
+
+
+def test_wide_item_buffers_store_item_counts(store: MooncakeDistributedStore, key: str) -> None:
+    """Why the stub takes bytes, bytearray or memoryview and not any buffer."""
+    floats = array.array("f", [1.0] * 10)
+    assert store.put(key, floats) == OK  # type: ignore[arg-type]
+    assert len(store.get(key)) == 10  # not 40: the value is silently truncated
+
+
+def test_exists_and_size(store: MooncakeDistributedStore, key: str) -> None:
+    assert store.put(key, b"12345") == OK
+    present, absent = store.is_exist(key), store.is_exist(key + "-missing")
+    assert (type(present), type(absent)) == (int, int)
+    assert (present, absent) == (1, 0)
+    assert _int_list(store.batch_is_exist([key, key + "-missing"])) == [1, 0]
+    assert _int_list(store.batch_is_exist([])) == []
+    size = store.get_size(key)
+    assert type(size) is int
+    assert size == 5
+    assert store.get_size(key + "-missing") == NOT_FOUND
+
+
+def test_remove_codes(store: MooncakeDistributedStore, key: str) -> None:
+    assert store.put(key, b"v") == OK
+    assert store.get(key) == b"v"  # a read takes a lease of about 10 s
+    rc = store.remove(key)
+    assert type(rc) is int
+    assert rc == HAS_LEASE
+    assert store.remove(key, force=True) == OK
+    assert store.remove(key) == NOT_FOUND
+    assert store.get(key) == b""
+    assert store.put(key + "-a", b"a") == OK
+    assert _int_list(store.batch_remove([key + "-a", key + "-b"], force=True)) == [OK, NOT_FOUND]
+
+
+def test_batches(store: MooncakeDistributedStore, key: str) -> None:
+    keys = [key + "-1", key + "-2"]
+    rc = store.put_batch(keys, [b"one", bytearray(b"two")])
+    assert type(rc) is int
+    assert rc == OK
+    values = store.get_batch([*keys, key + "-missing"])
+    assert type(values) is list
+    assert all(type(v) is bytes for v in values)
+    assert values == [b"one", b"two", b""]
+    assert store.upsert_batch(keys, (b"ONE", memoryview(b"TWO"))) == OK
+    assert store.get_batch(keys) == [b"ONE", b"TWO"]
+    assert store.put_batch([key + "-3", key + "-4"], [b"x", b""]) == INVALID_PARAMS
+    assert store.get_batch([key + "-3", key + "-4"]) == [b"", b""]  # one bad item fails all
+    assert store.put_batch([], []) == OK
+    assert store.get_batch([]) == [b""]  # not []: callers must not send an empty batch
+
+
+def test_replicate_config(store: MooncakeDistributedStore, key: str) -> None:
+    config = ReplicateConfig()
+    assert type(config.replica_num) is int
+    assert config.replica_num == 1
+    assert type(config.with_hard_pin) is bool
+    assert type(config.preferred_segment) is str
+    assert type(config.preferred_segments) is list
+    assert type(config.prefer_alloc_in_same_node) is bool
+    config.replica_num = 1
+    assert store.put(key, b"v", config) == OK
+    assert store.upsert(key, b"w", config=config) == OK
+    assert store.put_batch([key + "-b"], [b"v"], config) == OK
+    assert store.get_batch([key, key + "-b"]) == [b"w", b"v"]
+
+
+def test_keyword_names_of_the_stub(store: MooncakeDistributedStore, key: str) -> None:
+    assert store.put(key=key, value=b"v", config=ReplicateConfig()) == OK
+    assert store.upsert(key=key, value=b"w") == OK
+    assert store.batch_is_exist(keys=[key]) == [1]
+    assert store.put_batch(keys=[key + "-b"], values=[b"v"]) == OK
+    assert store.upsert_batch(keys=[key + "-b"], values=[b"w"]) == OK
+    assert store.remove(key=key + "-b", force=True) == OK
+    assert store.batch_remove(keys=[key], force=True) == [OK]
+
+
+def test_positional_only_parameters(store: MooncakeDistributedStore, key: str) -> None:
+    with pytest.raises(TypeError):
+        store.get(key=key)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        store.is_exist(key=key)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        store.get_size(key=key)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        store.get_batch(keys=[key])  # type: ignore[call-arg]
+
+
+def test_int_keys_are_rejected(store: MooncakeDistributedStore) -> None:
+    with pytest.raises(TypeError):
+        store.put(12345, b"v")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.batch_is_exist([12345])  # type: ignore[list-item]
+
+
+def test_zero_copy(store: MooncakeDistributedStore, key: str) -> None:
+    size = 1 * MiB
+    buffer = bytearray(size)
+    view = (ctypes.c_char * size).from_buffer(buffer)  # pins the memory while registered
+    base = ctypes.addressof(view)
+    rc = store.register_buffer(base, size)
+    assert type(rc) is int
+    assert rc == OK
+    try:
+        buffer[0:5] = b"HELLO"
+        assert store.put_from(key, base, 5) == OK
+        read = store.get_into(key, base + 1000, 1000)
+        assert type(read) is int
+        assert read == 5
+        assert buffer[1000:1005] == b"HELLO"
+        assert store.get_into(key, base + 2000, 2) == INVALID_PARAMS  # buffer too small
+        assert store.get_into(key + "-missing", base + 2000, 100) == NOT_FOUND
+        assert store.upsert_from(key=key, buffer_ptr=base + 1, size=4) == OK
+        assert store.get(key) == b"ELLO"
+
+        keys = [key + "-1", key + "-2"]
+        assert _int_list(store.batch_put_from(keys, [base, base + 1], [5, 4])) == [OK, OK]
+        got = store.batch_get_into(
+            [*keys, key + "-missing"], [base + 3000, base + 4000, base + 5000], [64, 64, 64]
+        )
+        assert _int_list(got) == [5, 4, NOT_FOUND]
+        assert buffer[3000:3005] == b"HELLO"
+        assert buffer[4000:4004] == b"ELLO"
+        assert _int_list(store.batch_upsert_from(keys[:1], [base + 2], [3])) == [OK]
+        assert store.get(keys[0]) == b"LLO"
+    finally:
+        rc = store.unregister_buffer(base)
+    assert type(rc) is int
+    assert rc == OK
+    assert store.unregister_buffer(base) == INVALID_PARAMS  # not registered any more
+    del view
+
+
+def test_setup_forms_and_close(mooncake_master: MasterProcess) -> None:
+    address = mooncake_master.address
+    fresh = MooncakeDistributedStore()
+    assert fresh.health_check() == 1  # not set up: the only calls allowed are these two
+    assert fresh.close() == OK
+
+    by_keyword = MooncakeDistributedStore()
+    rc = by_keyword.setup(
+        local_hostname="127.0.0.1",
+        metadata_server="P2PHANDSHAKE",
+        global_segment_size=16 * MiB,
+        local_buffer_size=16 * MiB,
+        protocol="tcp",
+        rdma_devices="",
+        master_server_addr=address,
+    )
+    assert rc == OK
+    by_dict = MooncakeDistributedStore()
+    config = {
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": 16 * MiB,
+        "local_buffer_size": 16 * MiB,
+        "protocol": "tcp",
+        "master_server_addr": address,
+        "no_such_key": 1,  # ignored silently
+    }
+    assert by_dict.setup(config) == OK
+    try:
+        assert by_keyword.health_check() == OK
+        assert by_dict.put("dict-form", b"v") == OK
+        assert by_keyword.get("dict-form") == b"v"
+        removed = by_keyword.remove_all(force=True)
+        assert type(removed) is int
+        assert removed >= 1
+    finally:
+        started = time.monotonic()
+        closed = by_keyword.close()
+        close_seconds = time.monotonic() - started
+        assert by_dict.close() == OK
+    assert type(closed) is int
+    assert closed == OK
+    assert close_seconds < 10.0
+    assert by_keyword.health_check() == 1  # closed
+    assert by_keyword.close() == OK  # closing twice is fine
+
+
+def test_master_restart_loses_keys_and_client_recovers(mooncake_master: MasterProcess) -> None:
+    s = _setup(mooncake_master.address)
+    try:
+        assert s.put("survivor", b"v") == OK
+        mooncake_master.kill()
+        mooncake_master.restart()
+        deadline = time.monotonic() + 20.0
+        rc = s.put("after-restart", b"w")
+        while rc != OK and time.monotonic() < deadline:
+            time.sleep(0.2)
+            rc = s.put("after-restart", b"w")
+        assert rc == OK  # the client re-joined the restarted master on its own
+        assert s.get("after-restart") == b"w"
+        assert s.get("survivor") == b""  # a restarted master has lost every key
+    finally:
+        assert s.close() == OK
