@@ -153,3 +153,30 @@ def test_key_text_refuses_non_keys_naming_the_fix(value: object, match: str) -> 
 def test_key_text_refuses_foreign_text_outside_the_alphabet(text: object) -> None:
     with pytest.raises(InvalidKey):
         key_text(ForeignKey(text))
+
+
+def test_for_digests_builds_the_same_keys_as_the_constructor() -> None:
+    digests = [mm_hash(0), mm_hash(2**128 - 1), mm_hash(12345)]
+    keys = EmbeddingKey.for_digests("org/m@1", Modality.AUDIO, HashScheme.XXH3, digests)
+    expected = [EmbeddingKey("org/m@1", Modality.AUDIO, HashScheme.XXH3, d) for d in digests]
+    assert keys == expected
+    assert [k.to_key() for k in keys] == [k.to_key() for k in expected]
+    assert [hash(k) for k in keys] == [hash(k) for k in expected]
+    assert EmbeddingKey.for_digests("m", Modality.IMAGE, HashScheme.SGLANG, []) == []
+
+
+@pytest.mark.parametrize(
+    ("parts", "digests", "error"),
+    [
+        (("", Modality.IMAGE, HashScheme.BLAKE3), [], InvalidKey),
+        (("m", "image", HashScheme.BLAKE3), [mm_hash(1)], TypeError),
+        (("m", Modality.IMAGE, HashScheme.SGLANG), [mm_hash(1), mm_hash(2**64)], InvalidDigest),
+        (("m", Modality.IMAGE, HashScheme.BLAKE3), [mm_hash(1), True], InvalidDigest),
+        (("m", Modality.IMAGE, HashScheme.BLAKE3), [mm_hash(1), "2"], TypeError),
+    ],
+)
+def test_for_digests_checks_every_part_and_digest(
+    parts: tuple[object, object, object], digests: list[object], error: type
+) -> None:
+    with pytest.raises(error):
+        EmbeddingKey.for_digests(*parts, digests)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -41,7 +42,7 @@ _KEY_V1 = re.compile(
 _MODALITIES = {m.value: m for m in Modality}
 _SCHEMES = {s.value: s for s in HashScheme}
 _MIDDLE = {(m, s): f"@{m.value}@{s.value}@" for m in Modality for s in HashScheme}
-_HEX_FORMAT = {s: f"0{s.hex_width}x" for s in HashScheme}
+_DIGEST_BYTES = {s: s.bits // 8 for s in HashScheme}
 
 
 @runtime_checkable
@@ -142,18 +143,61 @@ class EmbeddingKey:
     modality: Modality = attrs.field(validator=_check_modality)
     scheme: HashScheme = attrs.field(validator=_check_scheme)
     digest: MMHash = attrs.field()
+    _text: str = attrs.field(init=False, eq=False, repr=False, hash=False)
 
     @digest.validator
     def _check_digest(self, _: object, digest: MMHash) -> None:
         mm_hash(digest, self.scheme)
 
+    def __attrs_post_init__(self) -> None:
+        scheme = self.scheme
+        text = (
+            f"mmk1@{_encode_namespace(self.namespace)}{_MIDDLE[self.modality, scheme]}"
+            f"{self.digest.to_bytes(_DIGEST_BYTES[scheme], 'big').hex()}"
+        )
+        object.__setattr__(self, "_text", text)
+
     def to_key(self) -> str:
         """Key format v1 text, e.g. ``mmk1@qwen2-vl@image@blake3@<32 hex digits>``."""
-        scheme = self.scheme
-        return (
-            f"mmk1@{_encode_namespace(self.namespace)}{_MIDDLE[self.modality, scheme]}"
-            f"{format(self.digest, _HEX_FORMAT[scheme])}"
-        )
+        return self._text
+
+    @classmethod
+    def for_digests(
+        cls,
+        namespace: str,
+        modality: Modality,
+        scheme: HashScheme,
+        digests: Iterable[MMHash],
+    ) -> list[EmbeddingKey]:
+        """One key per digest under shared parts; checks the parts once, each digest's range.
+
+        The same keys as ``[EmbeddingKey(namespace, modality, scheme, d) for d in digests]``,
+        built several times faster for large batches.
+        """
+        items = list(digests)
+        if not items:
+            cls(namespace, modality, scheme, MMHash(0))  # still check the shared parts
+            return []
+        first = cls(namespace, modality, scheme, items[0])
+        if cls is not EmbeddingKey:
+            return [first] + [cls(namespace, modality, scheme, d) for d in items[1:]]
+        prefix = first._text[: -scheme.hex_width]
+        width = _DIGEST_BYTES[scheme]
+        limit = 1 << scheme.bits
+        keys = [first]
+        new, set_ = object.__new__, object.__setattr__
+        for digest in items[1:]:
+            if type(digest) is not int or not 0 <= digest < limit:
+                mm_hash(digest, scheme)  # raises the precise error
+                digest = MMHash(int(digest))  # an int subclass: store the plain int
+            key = new(cls)
+            set_(key, "namespace", namespace)
+            set_(key, "modality", modality)
+            set_(key, "scheme", scheme)
+            set_(key, "digest", digest)
+            set_(key, "_text", prefix + digest.to_bytes(width, "big").hex())
+            keys.append(key)
+        return keys
 
     @classmethod
     def from_key(cls, text: str) -> EmbeddingKey:
@@ -189,6 +233,7 @@ class EmbeddingKey:
         _set(key, "modality", _MODALITIES[modality])
         _set(key, "scheme", scheme)
         _set(key, "digest", int(hex_digest, 16))
+        _set(key, "_text", text)
         return key
 
 
