@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,15 +28,28 @@ def _memory_cache(max_bytes: int) -> EmbeddingCache:
 
 def _mooncake_cache(master: str | None) -> EmbeddingCache:
     try:
-        module: Any = importlib.import_module("mmkey.cache.mooncake")
+        from mmkey.cache.mooncake import MooncakeCache, MooncakeConfig
     except ImportError as exc:
         raise click.ClickException(f"Mooncake adapter not available: {exc}") from None
-    overrides = {} if master is None else {"master_server_address": master}
+    from mmkey.errors import StoreError
+
     try:
-        config = module.MooncakeConfig.from_env(**overrides)
+        if master is None:
+            config = MooncakeConfig.from_env()
+        else:
+            config = MooncakeConfig.from_env(master_server_address=master)
     except (TypeError, ValueError) as exc:
         raise click.UsageError(f"--store mooncake: {exc}") from None
-    cache: EmbeddingCache = module.MooncakeCache(config)
+    try:
+        cache = MooncakeCache(config)
+    except StoreError as exc:
+        raise click.ClickException(f"--store mooncake: {exc}") from None
+    if not cache.is_connected():
+        click.echo(
+            f"mmkey demo: warning: the Mooncake store at {config.master_server_address} is "
+            "not reachable; running anyway: every lookup misses and every image is encoded",
+            err=True,
+        )
     return cache
 
 

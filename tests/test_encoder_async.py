@@ -1,0 +1,167 @@
+"""aencode_with_cache: the asyncio twin of encode_with_cache, over AsyncEmbeddingCache."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from test_encoder import NS, CountingEncoder, DictCache, item, reference, request
+
+import mmkey.encoder.cached
+from mmkey import AsyncCache, CacheKey, CacheStats, MemoryCache
+from mmkey.encoder import aencode_with_cache, aencode_with_cache_report, encode_with_cache
+from mmkey.encoder._plan import EncodePlan
+
+
+class AsyncDictCache:
+    """The test DictCache behind coroutine methods (faults included)."""
+
+    def __init__(self) -> None:
+        self.inner = DictCache()
+
+    async def batch_is_exist(self, keys: Sequence[CacheKey]) -> list[bool]:
+        await asyncio.sleep(0)
+        return self.inner.batch_is_exist(keys)
+
+    async def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        await asyncio.sleep(0)
+        return self.inner.get_embeddings(keys)
+
+    async def insert_batch(
+        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        await asyncio.sleep(0)
+        return self.inner.insert_batch(keys, embeddings)
+
+    async def prefetch(self, keys: Sequence[CacheKey]) -> int:
+        return 0
+
+    def stats(self) -> CacheStats:
+        return self.inner.stats()
+
+    async def close(self) -> None:
+        pass
+
+
+class AsyncCountingEncoder(CountingEncoder):
+    """A CountingEncoder awaited like a model run in a worker thread."""
+
+    async def run(self, features: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        return await asyncio.to_thread(self, features, grid_thw)
+
+
+def test_only_misses_reach_an_async_encoder_once_each_in_order() -> None:
+    async def main() -> None:
+        cache, encode = AsyncDictCache(), AsyncCountingEncoder()
+        await aencode_with_cache(*request([1, 2]), encode=encode.run, cache=cache, namespace=NS)
+        ids = [3, 1, 3, 2, 4]
+        result = await aencode_with_cache_report(
+            *request(ids), encode=encode.run, cache=cache, namespace=NS
+        )
+        assert encode.items_encoded == 4, "3 and 4 once each; 1 and 2 were hits"
+        assert all(torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, ids))
+        assert (result.report.hits, result.report.encoded, result.report.duplicates) == (2, 2, 1)
+
+    asyncio.run(main())
+
+
+def test_a_plain_encoder_function_is_accepted() -> None:
+    async def main() -> None:
+        encode = CountingEncoder()
+        out = await aencode_with_cache(
+            *request([5, 5]), encode=encode, cache=AsyncDictCache(), namespace=NS
+        )
+        assert encode.items_encoded == 1 and out[0] is out[1]
+
+    asyncio.run(main())
+
+
+def test_sync_and_async_twins_share_keys_and_results() -> None:
+    memory = MemoryCache(1 << 20)
+    sync_out = encode_with_cache(
+        *request([1, 2]), encode=CountingEncoder(), cache=memory, namespace=NS
+    )
+
+    async def main() -> None:
+        encode = CountingEncoder()
+        result = await aencode_with_cache_report(
+            *request([2, 1]), encode=encode, cache=AsyncCache(memory), namespace=NS
+        )
+        assert encode.calls == [] and result.report.hits == 2
+        assert torch.equal(result.embeddings[0], sync_out[1])
+        assert torch.equal(result.embeddings[1], sync_out[0])
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("op", ["batch_is_exist", "get_embeddings", "insert_batch"])
+def test_a_failing_async_cache_recomputes_and_counts(op: str) -> None:
+    async def main() -> None:
+        cache, encode = AsyncDictCache(), CountingEncoder()
+        await aencode_with_cache(*request([1]), encode=encode, cache=cache, namespace=NS)
+        cache.inner.fail.add(op)
+        result = await aencode_with_cache_report(
+            *request([1, 2]), encode=encode, cache=cache, namespace=NS
+        )
+        assert all(torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, [1, 2]))
+        assert result.report.cache_errors == 1
+
+    asyncio.run(main())
+
+
+def test_a_stale_entry_is_encoded_by_the_async_twin() -> None:
+    async def main() -> None:
+        cache, encode = AsyncDictCache(), CountingEncoder()
+        first = await aencode_with_cache(*request([1]), encode=encode, cache=cache, namespace=NS)
+        cache.inner.forget_on_get.update(cache.inner.entries)
+        result = await aencode_with_cache_report(
+            *request([1]), encode=encode, cache=cache, namespace=NS
+        )
+        assert (result.report.stale, result.report.encoded) == (1, 1)
+        assert torch.equal(result.embeddings[0], first[0])
+
+    asyncio.run(main())
+
+
+def test_large_requests_are_hashed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    hashing_threads: set[int] = set()
+    real = EncodePlan.build
+
+    def spy(*args: Any, **kwargs: Any) -> EncodePlan:
+        hashing_threads.add(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(EncodePlan, "build", spy)
+    monkeypatch.setattr(mmkey.encoder.cached, "OFFLOAD_HASH_BYTES", 1)
+
+    async def main() -> int:
+        out = await aencode_with_cache(
+            *request([1, 2]), encode=CountingEncoder(), cache=AsyncDictCache(), namespace=NS
+        )
+        assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out, [1, 2]))
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert hashing_threads and loop_thread not in hashing_threads
+
+
+def test_concurrent_requests_each_get_their_own_embeddings() -> None:
+    async def main() -> None:
+        cache = AsyncCache(MemoryCache(1 << 20))
+        encode = AsyncCountingEncoder()
+        batches = [[1, 2], [2, 3], [3, 1, 1], [4], [1, 4, 2]]
+        results = await asyncio.gather(
+            *(
+                aencode_with_cache(*request(ids), encode=encode.run, cache=cache, namespace=NS)
+                for ids in batches
+            )
+        )
+        for ids, out in zip(batches, results):
+            assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out, ids))
+        await cache.close()
+
+    asyncio.run(main())
