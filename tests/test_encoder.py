@@ -284,6 +284,15 @@ def test_identical_items_in_one_request_are_encoded_once() -> None:
     assert (result.report.items, result.report.unique, result.report.duplicates) == (5, 2, 3)
 
 
+def test_the_result_names_each_items_key_in_input_order() -> None:
+    ids = [2, 1, 2]
+    result = encode_with_cache_report(
+        *request(ids), encode=CountingEncoder(), cache=DictCache(), namespace=NS
+    )
+    assert result.keys == keys_from_features(*request(ids), namespace=NS)
+    assert result.keys[0] == result.keys[2] != result.keys[1]
+
+
 def test_results_come_back_in_input_order() -> None:
     cache, encode = DictCache(), CountingEncoder()
     encode_with_cache(*request([2, 4]), encode=encode, cache=cache, namespace=NS)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mmkey.digest import HashScheme, MMHash, Modality
+from mmkey.digest import HashScheme, Modality
 from mmkey.encoder.items import Features, GridTHW, Items, digests_of, split_items
 from mmkey.encoder.report import EncodeReport, EncodeResult
 from mmkey.keys import EmbeddingKey
@@ -40,6 +40,7 @@ class EncodePlan:
 
     def __init__(self, items: Items, keys: list[EmbeddingKey], hash_seconds: float) -> None:
         self.items = items
+        self.keys = keys
         slots: dict[EmbeddingKey, int] = {}
         self.slot_of_item = [slots.setdefault(k, len(slots)) for k in keys]
         self.unique_keys = list(slots)
@@ -70,10 +71,11 @@ class EncodePlan:
         scheme: HashScheme,
     ) -> EncodePlan:
         """Check the arguments, split and hash the items, and key them."""
-        EmbeddingKey(namespace, modality, scheme, MMHash(0))  # a bad namespace fails first
+        EmbeddingKey.for_digests(namespace, modality, scheme, [])  # a bad namespace fails first
         start = time.perf_counter()
         items = split_items(feature, grid_thw)
-        keys = [EmbeddingKey(namespace, modality, scheme, d) for d in digests_of(items, scheme)]
+        digests = digests_of(items, scheme)
+        keys = EmbeddingKey.for_digests(namespace, modality, scheme, digests)
         return cls(items, keys, time.perf_counter() - start)
 
     def lookup_keys(self) -> list[EmbeddingKey]:
@@ -189,7 +191,7 @@ class EncodePlan:
             encode_seconds=self.encode_seconds,
             insert_seconds=self.insert_seconds,
         )
-        return EncodeResult([e for e in embeddings if e is not None], report)
+        return EncodeResult([e for e in embeddings if e is not None], self.keys, report)
 
 
 def _describe(value: object) -> str:

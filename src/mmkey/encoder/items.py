@@ -226,7 +226,7 @@ def embedding_keys(
     scheme: HashScheme = HashScheme.BLAKE3,
 ) -> list[EmbeddingKey]:
     """The cache key of each digest under `namespace`; `scheme` must be the one that made them."""
-    return [EmbeddingKey(namespace, modality, scheme, d) for d in digests]
+    return EmbeddingKey.for_digests(namespace, modality, scheme, digests)
 
 
 @overload

@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from mmkey.keys import EmbeddingKey
+
 __all__ = ["EncodeReport", "EncodeResult"]
 
 
@@ -71,9 +73,11 @@ class EncodeReport:
 
 @attrs.frozen(slots=True)
 class EncodeResult:
-    """The embeddings of a request, one per item in input order, and what it took."""
+    """The embeddings and keys of a request, one per item in input order, and what it took."""
 
     embeddings: list[torch.Tensor]
     """One embedding per item, in input order; duplicates of an item share one tensor."""
+    keys: list[EmbeddingKey]
+    """The cache key of each item, in input order (what a prefill worker is sent)."""
     report: EncodeReport
     """The counters of this call."""
