@@ -7,7 +7,10 @@ neither torch nor mooncake: they load when a function needs them.
 
 from __future__ import annotations
 
+from mmkey.cache.aio import AsyncCache
+from mmkey.cache.memory import MemoryCache
 from mmkey.cache.protocol import AsyncEmbeddingCache, CacheStats, EmbeddingCache
+from mmkey.cache.tiered import TieredCache
 from mmkey.digest import HashScheme, MMHash, Modality, mm_hash
 from mmkey.errors import (
     CorruptEntry,
@@ -23,6 +26,7 @@ from mmkey.keys import CacheKey, EmbeddingKey
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AsyncCache",
     "AsyncEmbeddingCache",
     "CacheKey",
     "CacheStats",
@@ -34,9 +38,11 @@ __all__ = [
     "InvalidKey",
     "MMHash",
     "MMKeyError",
+    "MemoryCache",
     "Modality",
     "StoreClosed",
     "StoreError",
+    "TieredCache",
     "hash_bytes",
     "hash_tensor",
     "mm_hash",

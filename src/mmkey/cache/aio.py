@@ -1,0 +1,92 @@
+"""`AsyncCache`: any `EmbeddingCache` as an `AsyncEmbeddingCache`, run off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, TypeVar
+
+from mmkey.cache.protocol import CacheStats, EmbeddingCache
+from mmkey.errors import StoreClosed
+from mmkey.keys import CacheKey
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AsyncCache"]
+
+_T = TypeVar("_T")
+
+
+def _snapshot(items: Sequence[_T]) -> Sequence[_T]:
+    """A list argument frozen to a tuple, so the caller may reuse it while the call runs."""
+    return tuple(items) if isinstance(items, list) else items
+
+
+class AsyncCache:
+    """Awaitable calls on a synchronous `cache`, each run in a worker thread.
+
+    The event loop never waits on the cache's locks, hashing or store calls. Calls run in
+    `executor`, or the loop's default executor when None. Argument checks happen in the
+    worker, so errors surface from the ``await``. A cancelled call still finishes in its
+    thread. `close` closes the wrapped cache.
+    """
+
+    def __init__(self, cache: EmbeddingCache, *, executor: Executor | None = None) -> None:
+        if not isinstance(cache, EmbeddingCache):
+            raise TypeError(f"cache must be an EmbeddingCache, got {type(cache).__name__}")
+        self._cache = cache
+        self._executor = executor
+        self._closed = False
+
+    @property
+    def cache(self) -> EmbeddingCache:
+        """The wrapped synchronous cache."""
+        return self._cache
+
+    def __repr__(self) -> str:
+        return f"AsyncCache({self._cache!r})"
+
+    async def _run(self, call: Callable[..., _T], *args: object) -> _T:
+        if self._closed:
+            raise StoreClosed("this AsyncCache is closed; create a new one")
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        return await loop.run_in_executor(
+            self._executor, functools.partial(context.run, call, *args)
+        )
+
+    async def batch_is_exist(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key is held, in order."""
+        return await self._run(self._cache.batch_is_exist, _snapshot(keys))
+
+    async def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """The verified embedding of each key, or None for a miss, in order."""
+        return await self._run(self._cache.get_embeddings, _snapshot(keys))
+
+    async def insert_batch(
+        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        """Store one embedding per key; whether each is held afterwards."""
+        return await self._run(self._cache.insert_batch, _snapshot(keys), _snapshot(embeddings))
+
+    async def prefetch(self, keys: Sequence[CacheKey]) -> int:
+        """Bring the keys as close as the cache can; how many are now held nearby."""
+        return await self._run(self._cache.prefetch, _snapshot(keys))
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the wrapped cache's counters, read directly (stats are cheap)."""
+        if self._closed:
+            raise StoreClosed("this AsyncCache is closed; create a new one")
+        return self._cache.stats()
+
+    async def close(self) -> None:
+        """Close the wrapped cache in a worker thread; later calls raise `StoreClosed`."""
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._cache.close)

@@ -1,0 +1,180 @@
+"""TieredCache: read-through with promotion, write-through, prefetch, faults, composition."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from mmkey import (
+    CacheKey,
+    CacheStats,
+    EmbeddingCache,
+    EmbeddingKey,
+    HashScheme,
+    MemoryCache,
+    Modality,
+    StoreClosed,
+    StoreError,
+    TieredCache,
+    mm_hash,
+)
+from mmkey.cache.codec import entry_size
+
+
+def key(i: int) -> EmbeddingKey:
+    return EmbeddingKey("vit", Modality.AUDIO, HashScheme.XXH3, mm_hash(i))
+
+
+def emb(i: int) -> torch.Tensor:
+    return torch.full((16,), float(i))
+
+
+SIZE = entry_size(key(0).to_key(), emb(0))
+
+
+class BrokenStore:
+    """A tier whose store is down: every call raises `StoreError`."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def batch_is_exist(self, keys: Sequence[CacheKey]) -> list[bool]:
+        raise StoreError("master unreachable")
+
+    def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        raise StoreError("master unreachable")
+
+    def insert_batch(
+        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        raise StoreError("master unreachable")
+
+    def prefetch(self, keys: Sequence[CacheKey]) -> int:
+        raise StoreError("master unreachable")
+
+    def stats(self) -> CacheStats:
+        raise StoreError("master unreachable")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def values(got: list[torch.Tensor | None]) -> list[float | None]:
+    return [None if t is None else t[0].item() for t in got]
+
+
+def test_is_an_embedding_cache_and_needs_two_distinct_caches() -> None:
+    l1 = MemoryCache(1 << 20)
+    assert isinstance(TieredCache(l1, MemoryCache(1 << 20)), EmbeddingCache)
+    with pytest.raises(ValueError, match="different"):
+        TieredCache(l1, l1)
+    with pytest.raises(TypeError, match="EmbeddingCache"):
+        TieredCache(l1, {})  # type: ignore[arg-type]
+
+
+def test_reads_fall_through_to_l2_and_promote_hits() -> None:
+    l1, l2 = MemoryCache(1 << 20), MemoryCache(1 << 20)
+    l2.insert_batch([key(1), key(2)], [emb(1), emb(2)])
+    l1.insert_batch([key(3)], [emb(3)])
+    cache = TieredCache(l1, l2)
+    assert values(cache.get_embeddings([key(1), key(3), key(4)])) == [1.0, 3.0, None]
+    assert l1.batch_is_exist([key(1), key(2)]) == [True, False]
+    stats = cache.stats()
+    assert (stats.hits, stats.misses) == (2, 1)
+
+
+def test_a_promoted_tensor_is_independent_of_the_copy_in_l1() -> None:
+    l1, l2 = MemoryCache(1 << 20), MemoryCache(1 << 20)
+    l2.insert_batch([key(1)], [emb(1)])
+    cache = TieredCache(l1, l2)
+    got = cache.get_embeddings([key(1)])[0]
+    assert got is not None
+    got.fill_(-1)
+    assert values(l1.get_embeddings([key(1)])) == [1.0]
+    assert values(cache.get_embeddings([key(1)])) == [1.0]
+
+
+def test_writes_go_through_to_both_tiers() -> None:
+    l1, l2 = MemoryCache(1 << 20), MemoryCache(1 << 20)
+    cache = TieredCache(l1, l2)
+    assert cache.insert_batch([key(1), key(2)], [emb(1), emb(2)]) == [True, True]
+    assert l1.batch_is_exist([key(1), key(2)]) == [True, True]
+    assert l2.batch_is_exist([key(1), key(2)]) == [True, True]
+    assert cache.stats().inserts == 2
+
+
+def test_an_entry_too_big_for_l1_is_still_held_by_l2() -> None:
+    l1, l2 = MemoryCache(SIZE - 1), MemoryCache(1 << 20)
+    cache = TieredCache(l1, l2)
+    assert cache.insert_batch([key(1)], [emb(1)]) == [True]
+    assert l1.batch_is_exist([key(1)]) == [False]
+    assert cache.batch_is_exist([key(1), key(2)]) == [True, False]
+    assert values(cache.get_embeddings([key(1)])) == [1.0]
+
+
+def test_prefetch_warms_l1_from_l2() -> None:
+    l1, l2 = MemoryCache(1 << 20), MemoryCache(1 << 20)
+    l2.insert_batch([key(1), key(2)], [emb(1), emb(2)])
+    l1.insert_batch([key(3)], [emb(3)])
+    cache = TieredCache(l1, l2)
+    assert cache.prefetch([key(1), key(2), key(3), key(4)]) == 3
+    assert l1.batch_is_exist([key(1), key(2), key(3), key(4)]) == [True, True, True, False]
+    assert cache.prefetch([]) == 0
+    assert l2.stats().hits == 2
+
+
+def test_a_failing_tier_serves_misses_and_counts_errors() -> None:
+    l1 = MemoryCache(1 << 20)
+    cache = TieredCache(l1, BrokenStore())
+    assert cache.insert_batch([key(1)], [emb(1)]) == [True]  # l1 still took it
+    assert values(cache.get_embeddings([key(1), key(2)])) == [1.0, None]
+    assert cache.batch_is_exist([key(1), key(2)]) == [True, False]
+    assert cache.prefetch([key(1), key(2)]) == 1
+    stats = cache.stats()
+    assert stats.errors == 5  # insert, get, exist, prefetch's read, stats of l2
+    assert (stats.hits, stats.misses, stats.bytes_held) == (1, 1, SIZE)
+
+
+def test_a_failing_near_tier_still_reads_the_far_one() -> None:
+    l2 = MemoryCache(1 << 20)
+    l2.insert_batch([key(1)], [emb(1)])
+    cache = TieredCache(BrokenStore(), l2)
+    assert values(cache.get_embeddings([key(1)])) == [1.0]
+    assert cache.batch_is_exist([key(1)]) == [True]
+
+
+def test_stats_sum_the_tiers_storage() -> None:
+    l1, l2 = MemoryCache(SIZE), MemoryCache(1 << 20)
+    cache = TieredCache(l1, l2)
+    cache.insert_batch([key(1), key(2)], [emb(1), emb(2)])
+    stats = cache.stats()
+    assert (stats.bytes_held, stats.entries, stats.evictions) == (3 * SIZE, 3, 1)
+
+
+def test_tiers_compose() -> None:
+    l1, l2, l3 = MemoryCache(1 << 20), MemoryCache(1 << 20), MemoryCache(1 << 20)
+    l3.insert_batch([key(1)], [emb(1)])
+    cache = TieredCache(l1, TieredCache(l2, l3))
+    assert values(cache.get_embeddings([key(1)])) == [1.0]
+    assert l1.batch_is_exist([key(1)]) == [True] and l2.batch_is_exist([key(1)]) == [True]
+
+
+def test_close_closes_both_tiers_once() -> None:
+    l1, far = MemoryCache(1 << 20), BrokenStore()
+    cache = TieredCache(l1, far)
+    cache.close()
+    cache.close()
+    assert far.closed
+    with pytest.raises(StoreClosed):
+        l1.stats()
+    for call in (
+        lambda: cache.get_embeddings([key(1)]),
+        lambda: cache.batch_is_exist([key(1)]),
+        lambda: cache.insert_batch([key(1)], [emb(1)]),
+        lambda: cache.prefetch([key(1)]),
+        cache.stats,
+    ):
+        with pytest.raises(StoreClosed):
+            call()
