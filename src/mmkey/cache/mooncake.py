@@ -39,10 +39,8 @@ _RPC_FAILURES = frozenset({-900, -901})
 _BUFFER_TOO_SMALL = -600
 _ALIGN = 64
 _MIN_SLOT = 256 << 10
-_MAX_READ_BUFFER = 512 << 20
-"""Largest read buffer one batch read allocates; longer batches are split."""
-_COPY_BELOW = 1 << 20
-"""Entries smaller than this are copied out of the read buffer so it can be freed."""
+_MAX_STAGING = 256 << 20
+"""Largest registered staging buffer; larger entries get a buffer of their own."""
 _INSTALL_HINT = (
     "install the binding: pip install 'mmkey[mooncake-cpu]' on CPU machines (plus Debian's "
     "libibverbs1 libnuma1 libcurl4) or 'mmkey[mooncake]' on GPU machines"
@@ -104,7 +102,11 @@ class MooncakeCache:
         self._counts = _Counters()
         self._store: MooncakeDistributedStore | None = None  # set and cleared on the worker only
         self._closed = False
-        self._slot = _MIN_SLOT
+        self._slot = _MIN_SLOT  # bytes a read reserves per key; grows to the largest entry seen
+        self._staging_bytes = min(config.local_buffer_size, _MAX_STAGING)
+        self._staging: memoryview | None = None  # registered, touched only on the worker
+        self._staging_tensor: torch.Tensor | None = None
+        self._staging_ptr = 0
         self._suspect = False  # a call failed: probe the master's port before the next one
         self._connect()
 
@@ -127,7 +129,7 @@ class MooncakeCache:
         codes = self._call(lambda store: store.batch_is_exist(texts))
         if codes is None:
             return [False] * len(texts)
-        if any(code in _RPC_FAILURES for code in codes):
+        if not _RPC_FAILURES.isdisjoint(codes):
             self._fail()
         return [code == 1 for code in codes]
 
@@ -135,10 +137,7 @@ class MooncakeCache:
         """The verified embedding of each key, or None (a miss, a corrupt entry, a fault)."""
         texts = self._texts(keys, "get_embeddings")
         unique = list(dict.fromkeys(texts))
-        found: dict[str, torch.Tensor] = {}
-        per_read = max(1, _MAX_READ_BUFFER // self._slot)
-        for start in range(0, len(unique), per_read):
-            found.update(self._read(unique[start : start + per_read]))
+        found = self._read(unique) if unique else {}
         result = [found.get(text) for text in texts]
         hits = sum(t is not None for t in result)
         self._counts.add(hits=hits, misses=len(result) - hits)
@@ -188,98 +187,129 @@ class MooncakeCache:
         state = "closed" if self._closed else ("connected" if self.is_connected() else "degraded")
         return f"MooncakeCache({self._config.master_server_address!r}, {state})"
 
-    # -- reads and writes -------------------------------------------------------------------
+    # -- reads and writes: whole operations on the worker, through the staging buffer -----
 
     def _read(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """Verified tensors of the keys found; runs entirely on the worker thread."""
+
+        def read(store: MooncakeDistributedStore) -> dict[str, torch.Tensor]:
+            staging = self._staging_on_worker(store)
+            found: dict[str, torch.Tensor] = {}
+            too_big: list[str] = []
+            per_call = max(1, staging.nbytes // self._slot)
+            for start in range(0, len(texts), per_call):
+                chunk = texts[start : start + per_call]
+                slot = staging.nbytes // len(chunk) // _ALIGN * _ALIGN
+                base = self._staging_ptr
+                codes = store.batch_get_into(chunk, [base + i * slot for i in range(len(chunk))], [slot] * len(chunk))
+                for i, (text, code) in enumerate(zip(chunk, codes)):
+                    if code > 0:
+                        self._decode_into(found, text, staging[i * slot : i * slot + code])
+                    elif code == _BUFFER_TOO_SMALL:
+                        too_big.append(text)
+                    elif code in _RPC_FAILURES:
+                        raise StoreError(f"batch_get_into: master unreachable ({code})")
+            for text in too_big:
+                self._read_large_on_worker(store, text, found)
+            return found
+
+        return self._call(read) or {}
+
+    def _read_large_on_worker(
+        self, store: MooncakeDistributedStore, text: str, found: dict[str, torch.Tensor]
+    ) -> None:
+        """An entry larger than a staging slot: read into a buffer of its exact size."""
         import torch
 
-        slot = self._slot
-        buf = torch.empty(slot * len(texts), dtype=torch.uint8)
+        size = store.get_size(text)
+        if size <= 0:
+            return
+        self._slot = max(self._slot, min(_aligned(size), self._staging_bytes))
+        buf = torch.empty(size, dtype=torch.uint8)
         ptr = buf.data_ptr()
-        ptrs = [ptr + i * slot for i in range(len(texts))]
-
-        def read(store: MooncakeDistributedStore) -> list[int]:
-            if store.register_buffer(ptr, buf.numel()) != 0:
-                raise StoreError("register_buffer failed")
-            try:
-                return store.batch_get_into(texts, ptrs, [slot] * len(texts))
-            finally:
-                store.unregister_buffer(ptr)
-
-        codes = self._call(read)
-        if codes is None:
-            return {}
-        found: dict[str, torch.Tensor] = {}
-        too_big: list[str] = []
-        for i, (text, code) in enumerate(zip(texts, codes)):
-            if code > 0:
-                view = buf[i * slot : i * slot + code]
-                self._decode_into(found, text, view, copy=code < _COPY_BELOW)
-            elif code == _BUFFER_TOO_SMALL:
-                too_big.append(text)
-            elif code in _RPC_FAILURES:
-                self._fail()
-        for text in too_big:
-            self._read_large(text, found)
-        return found
-
-    def _read_large(self, text: str, found: dict[str, torch.Tensor]) -> None:
-        import torch
-
-        def read(store: MooncakeDistributedStore) -> torch.Tensor | None:
-            size = store.get_size(text)
-            if size <= 0:
-                return None
-            buf = torch.empty(size, dtype=torch.uint8)
-            if store.register_buffer(buf.data_ptr(), size) != 0:
-                raise StoreError("register_buffer failed")
-            try:
-                got = store.get_into(text, buf.data_ptr(), size)
-            finally:
-                store.unregister_buffer(buf.data_ptr())
-            return buf if got == size else None
-
-        buf = self._call(read)
-        if buf is not None:
-            self._slot = max(self._slot, min(_aligned(buf.numel()), self._config.local_buffer_size))
-            self._decode_into(found, text, buf, copy=False)
+        if store.register_buffer(ptr, size) != 0:
+            raise StoreError("register_buffer failed")
+        try:
+            got = store.get_into(text, ptr, size)
+        finally:
+            store.unregister_buffer(ptr)
+        if got == size:
+            self._decode_into(found, text, buf.numpy().data, copy=False)
 
     def _decode_into(
-        self, found: dict[str, torch.Tensor], text: str, raw: torch.Tensor, *, copy: bool
+        self, found: dict[str, torch.Tensor], text: str, raw: memoryview, *, copy: bool = True
     ) -> None:
         try:
-            found[text] = decode_entry(text, raw.numpy().data, copy=copy)
+            found[text] = decode_entry(text, raw, copy=copy)
         except CorruptEntry:
             self._counts.add(corrupt=1)
 
     def _write(self, texts: list[str], tensors: list[torch.Tensor]) -> dict[str, bool]:
+        """Upsert entries through the staging buffer; runs entirely on the worker thread."""
+        sizes = [entry_size(text, t) for text, t in zip(texts, tensors)]
+
+        def write(store: MooncakeDistributedStore) -> dict[str, bool]:
+            staging = self._staging_on_worker(store)
+            stored: dict[str, bool] = {}
+            batch: list[tuple[str, int, int]] = []  # key text, offset, size
+            used = 0
+            for text, t, size in zip(texts, tensors, sizes):
+                if size > staging.nbytes:
+                    stored[text] = self._write_large_on_worker(store, text, t, size)
+                    continue
+                if used + size > staging.nbytes:
+                    stored.update(self._flush_on_worker(store, batch))
+                    batch, used = [], 0
+                encode_entry_into(staging[used : used + size], text, t)
+                batch.append((text, used, size))
+                used += _aligned(size)
+            stored.update(self._flush_on_worker(store, batch))
+            return stored
+
+        return self._call(write) or {}
+
+    def _flush_on_worker(
+        self, store: MooncakeDistributedStore, batch: list[tuple[str, int, int]]
+    ) -> dict[str, bool]:
+        if not batch:
+            return {}
+        keys = [text for text, _, _ in batch]
+        ptrs = [self._staging_ptr + offset for _, offset, _ in batch]
+        codes = store.batch_upsert_from(keys, ptrs, [size for _, _, size in batch])
+        if not _RPC_FAILURES.isdisjoint(codes):
+            raise StoreError(f"batch_upsert_from: master unreachable ({codes[0]})")
+        return {text: code == 0 for text, code in zip(keys, codes)}
+
+    def _write_large_on_worker(
+        self, store: MooncakeDistributedStore, text: str, tensor: torch.Tensor, size: int
+    ) -> bool:
         import torch
 
-        sizes = [entry_size(text, t) for text, t in zip(texts, tensors)]
-        offsets = [0]
-        for size in sizes:
-            offsets.append(offsets[-1] + _aligned(size))
-        buf = torch.empty(offsets[-1], dtype=torch.uint8)
-        whole = buf.numpy().data
-        for text, t, start, size in zip(texts, tensors, offsets, sizes):
-            encode_entry_into(whole[start : start + size], text, t)
+        buf = torch.empty(size, dtype=torch.uint8)
+        encode_entry_into(buf.numpy().data, text, tensor)
         ptr = buf.data_ptr()
-        ptrs = [ptr + start for start in offsets[:-1]]
+        if store.register_buffer(ptr, size) != 0:
+            raise StoreError("register_buffer failed")
+        try:
+            code = store.upsert_from(text, ptr, size)
+        finally:
+            store.unregister_buffer(ptr)
+        if code in _RPC_FAILURES:
+            raise StoreError(f"upsert_from: master unreachable ({code})")
+        return code == 0
 
-        def write(store: MooncakeDistributedStore) -> list[int]:
-            if store.register_buffer(ptr, buf.numel()) != 0:
-                raise StoreError("register_buffer failed")
-            try:
-                return store.batch_upsert_from(texts, ptrs, sizes)
-            finally:
-                store.unregister_buffer(ptr)
+    def _staging_on_worker(self, store: MooncakeDistributedStore) -> memoryview:
+        """The registered staging buffer, allocated and registered on first use."""
+        if self._staging is None:
+            import torch
 
-        codes = self._call(write)
-        if codes is None:
-            return {}
-        if any(code in _RPC_FAILURES for code in codes):
-            self._fail()
-        return {text: code == 0 for text, code in zip(texts, codes)}
+            buf = torch.empty(self._staging_bytes, dtype=torch.uint8)
+            if store.register_buffer(buf.data_ptr(), buf.numel()) != 0:
+                raise StoreError("register_buffer of the staging buffer failed")
+            self._staging_tensor = buf
+            self._staging_ptr = buf.data_ptr()
+            self._staging = buf.numpy().data
+        return self._staging
 
     # -- calls, deadlines, the breaker ----------------------------------------------------
 
@@ -354,4 +384,7 @@ class MooncakeCache:
     def _close_on_worker(self) -> None:
         store, self._store = self._store, None
         if store is not None:
+            if self._staging is not None:
+                store.unregister_buffer(self._staging_ptr)
             store.close()
+        self._staging = self._staging_tensor = None

@@ -1,0 +1,117 @@
+"""MooncakeCache against the raw Mooncake binding, side by side in one run.
+
+Run: ``python benchmarks/bench_mooncake.py``. Starts a local master on 127.0.0.1, then
+times each operation both ways (best of N) and prints the ratio adapter / raw:
+
+- ``batch_is_exist`` of 1000 keys, key building included (raw: ``f"emb_{h}"`` strings,
+  as one serving stack builds them; adapter: `EmbeddingKey` objects). Target <= 1.5x.
+- ``get_embeddings`` of 256 x 64 KiB verified entries against raw ``get_batch`` plus
+  ``torch.frombuffer``. Target <= 1.3x.
+- MiB/s writing and reading 64 KiB and 8 MiB entries: raw ``put``/``get`` of bytes in a
+  loop against the adapter's batch calls (registered buffers, every entry verified).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
+from mmkey.testing.mooncake_master import running_master
+
+MiB = 1 << 20
+REPEATS = 7
+
+
+def best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def row(name: str, raw: float, adapter: float, target: str = "") -> None:
+    print(f"{name:46} {raw * 1e3:9.2f} {adapter * 1e3:9.2f} {adapter / raw:7.2f}x  {target}")
+
+
+def rate_row(name: str, nbytes: int, raw: float, adapter: float) -> None:
+    print(f"{name:46} {nbytes / MiB / raw:9.0f} {nbytes / MiB / adapter:9.0f} {raw / adapter:7.2f}x")
+
+
+def main() -> None:
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    from mooncake.store import MooncakeDistributedStore
+
+    with running_master() as master:
+        raw = MooncakeDistributedStore()
+        assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 1024 * MiB, 256 * MiB, "tcp", "", master.address) == 0
+        cache = MooncakeCache(
+            MooncakeConfig(
+                master_server_address=master.address,
+                global_segment_size=1024 * MiB,
+                local_buffer_size=256 * MiB,
+                deadline=10.0,
+            )
+        )
+        try:
+            print(f"{'operation (ms; ratio adapter/raw)':46} {'raw':>9} {'mmkey':>9} {'ratio':>8}")
+            digests = [mm_hash(i * 0x9E3779B97F4A7C15 % 2**128) for i in range(1000)]
+            half = [EmbeddingKey("bench", Modality.IMAGE, HashScheme.BLAKE3, d) for d in digests[:500]]
+            cache.insert_batch(half, [torch.ones(4)] * 500)
+            raw.put_batch([f"emb_{d}" for d in digests[:500]], [b"x"] * 500)
+            t_raw = best(lambda: raw.batch_is_exist([f"emb_{d}" for d in digests]))
+            t_ada = best(
+                lambda: cache.batch_is_exist(
+                    EmbeddingKey.for_digests("bench", Modality.IMAGE, HashScheme.BLAKE3, digests)
+                )
+            )
+            row("batch_is_exist, 1000 keys, keys built", t_raw, t_ada, "target <= 1.5x")
+            built = EmbeddingKey.for_digests("bench", Modality.IMAGE, HashScheme.BLAKE3, digests)
+            raw_texts = [f"emb_{d}" for d in digests]
+            t_raw = best(lambda: raw.batch_is_exist(raw_texts))
+            t_ada = best(lambda: cache.batch_is_exist(built))
+            row("batch_is_exist, 1000 keys, keys prebuilt", t_raw, t_ada)
+
+            tensors = [torch.randn(64 * 1024 // 4) for _ in range(256)]
+            keys = [EmbeddingKey("bench64k", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i)) for i in range(256)]
+            raw_keys = [f"raw64k_{i}" for i in range(256)]
+            cache.insert_batch(keys, tensors)
+            raw.put_batch(raw_keys, [t.numpy().tobytes() for t in tensors])
+
+            def raw_get() -> list[torch.Tensor]:
+                return [torch.frombuffer(b, dtype=torch.float32) for b in raw.get_batch(raw_keys)]
+
+            t_raw = best(raw_get)
+            t_ada = best(lambda: cache.get_embeddings(keys))
+            row("get 256 x 64 KiB (verified vs get_batch)", t_raw, t_ada, "target <= 1.3x")
+
+            print(f"\n{'throughput (MiB/s; speed-up mmkey/raw)':46} {'raw':>9} {'mmkey':>9} {'speedup':>8}")
+            for size, count in ((64 * 1024, 256), (8 * MiB, 8)):
+                ts = [torch.randn(size // 4) for _ in range(count)]
+                blobs = [t.numpy().tobytes() for t in ts]
+                ks = [EmbeddingKey(f"tp{size}", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i)) for i in range(count)]
+                rk = [f"tp{size}_{i}" for i in range(count)]
+                total = size * count
+                t_raw = best(lambda: [raw.upsert(k, b) for k, b in zip(rk, blobs)], 3)
+                t_ada = best(lambda: cache.insert_batch(ks, ts), 3)
+                rate_row(f"write {size // 1024} KiB entries x {count}", total, t_raw, t_ada)
+                t_raw = best(lambda: [torch.frombuffer(raw.get(k), dtype=torch.float32) for k in rk], 3)
+                t_ada = best(lambda: cache.get_embeddings(ks), 3)
+                rate_row(f"read {size // 1024} KiB entries x {count}", total, t_raw, t_ada)
+            stats = cache.stats()
+            print(f"\nadapter stats: hits={stats.hits} misses={stats.misses} corrupt={stats.corrupt} errors={stats.errors}")
+        finally:
+            cache.close()
+            raw.close()
+
+
+if __name__ == "__main__":
+    main()
