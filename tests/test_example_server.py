@@ -73,7 +73,8 @@ def test_repeats_are_served_from_the_cache_and_prefill_reads_them_by_key() -> No
         assert {k.namespace for k in keys} == {SMALL.name}
         got = await encode_server.fetch_embeddings(cache, first["keys"])
         expected = server.batcher.model.encode(doubled[0], torch.tensor(doubled[1]))
-        assert all(g is not None and torch.allclose(g, e, atol=1e-5) for g, e in zip(got, expected))
+        for g, e in zip(got, expected, strict=True):
+            assert g is not None and torch.allclose(g, e, atol=1e-5)
         assert first["tokens"] == [int(e.shape[0]) for e in expected]
 
     serve(server, scenario)

@@ -93,7 +93,8 @@ def _summary(result: DemoResult, store: str) -> Table:
     )
     table.add_row(
         "cache failures",
-        f"{r.cache_errors} swallowed, {r.stale} stale entries, {r.insert_failures} inserts refused",
+        f"{r.cache_errors} swallowed, {r.stale} stale entries, "
+        f"{r.insert_failures} inserts refused",
     )
     if result.max_abs_diff is not None:
         table.add_row("results vs. no cache", f"max |diff| {result.max_abs_diff:.2e}")

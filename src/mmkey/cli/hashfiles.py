@@ -118,7 +118,12 @@ def _line(h: Hashed, scheme: HashScheme, namespace: str | None, as_json: bool) -
     modality = h.modality or Modality.IMAGE
     key = EmbeddingKey(namespace, modality, scheme, h.digest).to_key() if namespace else None
     if as_json:
-        record = {"name": h.name, "tensor": h.description, "scheme": scheme.value, "digest": digest}
+        record = {
+            "name": h.name,
+            "tensor": h.description,
+            "scheme": scheme.value,
+            "digest": digest,
+        }
         if key is not None:
             record["key"] = key
         return json.dumps(record, ensure_ascii=False)

@@ -59,7 +59,8 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.heads, dim // self.heads).unbind(1)
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, head_dim]
+        attn = F.scaled_dot_product_attention(q, k, v)
         x = x + self.proj(attn.transpose(0, 1).reshape(n, dim))
         out: torch.Tensor = x + self.mlp(self.norm2(x))
         return out
@@ -92,7 +93,8 @@ class TinyVisionEncoder(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             self.patch_embed = nn.Linear(config.row_features, config.dim, bias=False)
-            self.blocks = nn.ModuleList(_Block(config.dim, config.heads) for _ in range(config.depth))
+            blocks = (_Block(config.dim, config.heads) for _ in range(config.depth))
+            self.blocks = nn.ModuleList(blocks)
             self.merger = _Merger(config.dim, config.out_dim, config.merge)
         self.eval()
 

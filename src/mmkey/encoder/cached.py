@@ -179,7 +179,9 @@ def encode_with_cache(
     return _encode(feature, grid_thw, encode, cache, namespace, modality, scheme).embeddings
 
 
-def _call(plan: EncodePlan, operation: str, method: Callable[..., object], *args: object) -> object:
+def _call(
+    plan: EncodePlan, operation: str, method: Callable[..., object], *args: object
+) -> object:
     try:
         return method(*args)
     except Exception as exc:  # a cache is an optimisation: never fail the encode
@@ -260,7 +262,8 @@ async def _aencode(
         exists = await _acall(plan, "batch_is_exist", cache.batch_is_exist, plan.lookup_keys())
         wanted = plan.take_exists(exists)
         if wanted:
-            plan.take_embeddings(await _acall(plan, "get_embeddings", cache.get_embeddings, wanted))
+            found = await _acall(plan, "get_embeddings", cache.get_embeddings, wanted)
+            plan.take_embeddings(found)
         plan.lookup_seconds += time.perf_counter() - start
     if plan.misses():
         start = time.perf_counter()
