@@ -1,0 +1,123 @@
+"""Entry codec and MemoryCache speed, side by side with the plain paths, in one run.
+
+Run: ``python benchmarks/bench_cache.py [--repeats N]``. The codec rows compare
+`encode_entry` with ``tobytes()`` and verified `decode_entry` with
+``torch.frombuffer(...).clone()`` on the same bf16 tensors (target: decode at least 0.8 of
+the plain path from 64 KiB to 8 MiB). The MemoryCache rows give keys per second for
+batches of 1, 32 and 1000 keys. Each path keeps its best of N interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+import warnings
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from mmkey import EmbeddingKey, HashScheme, MemoryCache, Modality, mm_hash
+from mmkey.cache.codec import decode_entry, encode_entry
+
+ENTRY_SIZES = (64 << 10, 256 << 10, 1 << 20, 8 << 20)
+BATCHES = (1, 32, 1000)
+EMBEDDING = (8, 1024)
+"""Shape of each MemoryCache test embedding (bf16, 16 KiB)."""
+DECODE_TARGET = 0.8
+ROUND_S = 0.02
+
+
+def best_seconds(paths: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best seconds per call of each path, measured in interleaved rounds of ~20 ms."""
+    calls: dict[str, int] = {}
+    for name, path in paths.items():
+        path()
+        start = time.perf_counter()
+        path()
+        calls[name] = max(1, int(ROUND_S / max(time.perf_counter() - start, 1e-7)))
+    best = dict.fromkeys(paths, float("inf"))
+    for _ in range(repeats):
+        for name, path in paths.items():
+            n = calls[name]
+            start = time.perf_counter()
+            for _ in range(n):
+                path()
+            best[name] = min(best[name], (time.perf_counter() - start) / n)
+    return best
+
+
+def key(i: int) -> EmbeddingKey:
+    return EmbeddingKey("qwen2-vl-7b-instruct", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i))
+
+
+def plain_bytes(t: torch.Tensor) -> bytes:
+    """The plain encode: the tensor's bytes, as ``tobytes()`` gives them."""
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+def plain_decode(raw: bytes, shape: torch.Size) -> torch.Tensor:
+    """The plain decode: a tensor over the bytes, cloned so it owns its memory."""
+    return torch.frombuffer(raw, dtype=torch.bfloat16).view(shape).clone()
+
+
+def codec_table(repeats: int) -> None:
+    print(f"\ncodec (bf16 [n, 1024]; GB/s of payload; ratio = codec / plain; "
+          f"decode target >= {DECODE_TARGET})")
+    print(f"{'entry':>8} | {'tobytes':>8} {'encode':>8} {'ratio':>6} | "
+          f"{'frombuf+clone':>13} {'decode':>8} {'ratio':>6} {'target':>6}")
+    text = key(1).to_key()
+    for size in ENTRY_SIZES:
+        t = torch.randn(size // 2048, 1024).to(torch.bfloat16)
+        times = best_seconds(
+            {
+                "tobytes": partial(plain_bytes, t),
+                "encode": partial(encode_entry, text, t),
+                "plain": partial(plain_decode, plain_bytes(t), t.shape),
+                "decode": partial(decode_entry, text, encode_entry(text, t)),
+            },
+            repeats,
+        )
+        gbs = {name: size / s / 1e9 for name, s in times.items()}
+        enc, dec = times["tobytes"] / times["encode"], times["plain"] / times["decode"]
+        print(f"{size >> 10:>4} KiB | {gbs['tobytes']:8.2f} {gbs['encode']:8.2f} {enc:6.2f} | "
+              f"{gbs['plain']:13.2f} {gbs['decode']:8.2f} {dec:6.2f} "
+              f"{'met' if dec >= DECODE_TARGET else 'missed':>6}")
+
+
+def memory_table(repeats: int) -> None:
+    print(f"\nMemoryCache (bf16 {list(EMBEDDING)} embeddings, 16 KiB each; thousands of keys/s)")
+    print(f"{'batch':>6} | {'insert_batch':>12} {'batch_is_exist':>14} {'get_embeddings':>14}")
+    for batch in BATCHES:
+        keys = [key(i) for i in range(batch)]
+        tensors = [torch.randn(*EMBEDDING).to(torch.bfloat16) for _ in keys]
+        cache = MemoryCache(1 << 30)
+        cache.insert_batch(keys, tensors)
+        times = best_seconds(
+            {
+                "insert": partial(cache.insert_batch, keys, tensors),
+                "exist": partial(cache.batch_is_exist, keys),
+                "get": partial(cache.get_embeddings, keys),
+            },
+            repeats,
+        )
+        rate = {name: batch / s / 1e3 for name, s in times.items()}
+        print(f"{batch:>6} | {rate['insert']:12.1f} {rate['exist']:14.1f} {rate['get']:14.1f}")
+        cache.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds per path")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs, {platform.machine()}; best of {args.repeats} rounds")
+    codec_table(args.repeats)
+    memory_table(args.repeats)
+
+
+if __name__ == "__main__":
+    main()
