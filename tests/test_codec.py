@@ -62,9 +62,13 @@ def test_round_trip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # complex32 is "experimental"
         t = sample(dtype, shape)
-        out = decode_entry(KEY, encode_entry(KEY, t))
+        data = encode_entry(KEY, t)
+        out = decode_entry(KEY, data)
+        into = bytearray(entry_size(KEY, t))
+        written = encode_entry_into(into, KEY, t)
     assert_same(out, t)
-    assert len(encode_entry(KEY, t)) == entry_size(KEY, t)
+    assert len(data) == written == entry_size(KEY, t)
+    assert into == data
 
 
 def test_bfloat16_bits_survive_without_conversion() -> None:
@@ -91,9 +95,13 @@ def test_bfloat16_bits_survive_without_conversion() -> None:
 def test_views_store_their_values_in_c_order(make: Callable[[], torch.Tensor]) -> None:
     t = make()
     assert not t.is_contiguous() or t.is_conj() or t.is_neg() or t.requires_grad or t.storage_offset()
-    out = decode_entry(KEY, encode_entry(KEY, t))
+    data = encode_entry(KEY, t)
+    out = decode_entry(KEY, data)
     assert out.is_contiguous()
     assert_same(out, t.detach().resolve_conj().resolve_neg().contiguous())
+    into = bytearray(len(data))
+    encode_entry_into(into, KEY, t)
+    assert into == data
 
 
 def test_decode_never_aliases_its_input() -> None:
@@ -266,6 +274,8 @@ def test_wrong_argument_types_name_the_fix() -> None:
         decode_entry(KEY, "not bytes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="bytes-like"):
         decode_entry(KEY, 12)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_entry(KEY, memoryview(ENTRIES[0])[::2])
 
 
 def test_importing_the_codec_loads_neither_torch_nor_xxhash() -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from typing import TYPE_CHECKING, TypeVar
 
 from mmkey.cache.protocol import CacheStats, EmbeddingCache
@@ -14,6 +12,8 @@ from mmkey.errors import StoreClosed
 from mmkey.keys import CacheKey
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     import torch
 
 __all__ = ["AsyncCache"]
@@ -53,6 +53,8 @@ class AsyncCache:
     async def _run(self, call: Callable[..., _T], *args: object) -> _T:
         if self._closed:
             raise StoreClosed("this AsyncCache is closed; create a new one")
+        import asyncio  # not at `import mmkey`: it costs more than the rest together
+
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
         return await loop.run_in_executor(
@@ -88,5 +90,7 @@ class AsyncCache:
         if self._closed:
             return
         self._closed = True
+        import asyncio
+
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._cache.close)

@@ -98,6 +98,7 @@ _FIXED_SIZE = _FIXED.size  # 40
 _DIGEST_AT = 24
 _MAX_KEY_BYTES = 0xFFFF
 _PyBUF_READ = 0x100
+_SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
 
 @attrs.frozen(slots=True)
@@ -138,10 +139,11 @@ class _Runtime:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.frombuffer(b"\0", dtype=torch.uint8)
-        memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
-        memory_view.restype = ctypes.py_object
-        memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-        self.memory_view: Callable[[int, int, int], memoryview] = memory_view
+        # a memoryview over a CPU tensor's bytes without numpy: (address, size, flags)
+        prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+        self.memory_view: Callable[[int, int, int], memoryview] = prototype(
+            ("PyMemoryView_FromMemory", ctypes.pythonapi)
+        )
 
 
 _runtime: _Runtime | None = None
@@ -194,7 +196,7 @@ def _plain_cpu(tensor: torch.Tensor, rt: _Runtime) -> tuple[torch.Tensor, int]:
         )
     if tensor.dim() > MAX_NDIM:
         raise ValueError(f"cannot store a tensor with {tensor.dim()} dims (at most {MAX_NDIM})")
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor
     if t.device.type != "cpu":
         t = t.cpu()
     if t.is_conj():
@@ -211,7 +213,7 @@ def _header(key: bytes, t: torch.Tensor, code: int, payload: int) -> bytearray:
     size = _header_size(t.dim(), len(key))
     head = bytearray(size)
     _FIXED.pack_into(head, 0, MAGIC, FORMAT_VERSION, code, t.dim(), 0, len(key), size, 0, payload, b"")
-    struct.pack_into(f"<{t.dim()}Q", head, _FIXED_SIZE, *t.shape)
+    _SHAPES[t.dim()].pack_into(head, _FIXED_SIZE, *t.shape)
     at = _FIXED_SIZE + 8 * t.dim()
     head[at : at + len(key)] = key
     return head
@@ -284,14 +286,11 @@ def _byte_view(data: object) -> memoryview:
         raise TypeError(
             f"entries are bytes-like (bytes, bytearray, memoryview), got {type(data).__name__}"
         ) from None
+    if not view.c_contiguous:
+        raise ValueError("entry buffers must be C-contiguous")
     if view.format != "B" or view.ndim != 1:
-        if not view.c_contiguous:
-            raise ValueError("entry buffers must be C-contiguous")
         view = view.cast("B")
     return view
-
-
-_SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
 
 class _Parsed(NamedTuple):
@@ -361,7 +360,8 @@ def decode_entry(key: str, data: Buffer, *, copy: bool = True) -> torch.Tensor:
     dtype, shape, head, payload, stored_key = _parse(view, rt)
     if stored_key != raw_key:
         raise CorruptEntry(
-            f"entry was written under key {stored_key[:120]!r}, read as {key[:120]!r}"
+            f"entry was written under key {stored_key[:120].decode('latin-1')!r}, "
+            f"read as {key[:120]!r}"
         )
     checksum = rt.xxh3_128(view[:_DIGEST_AT])
     checksum.update(view[_FIXED_SIZE:])
