@@ -73,10 +73,13 @@ def _summary(result: DemoResult, store: str) -> Table:
     if result.direct_seconds is not None:
         table.add_row(
             "time without the cache",
-            f"{result.direct_seconds:.2f} s (measured: every image of the same requests "
-            "through the same encoder)",
+            f"{result.direct_seconds:.2f} s (measured)",
         )
         table.add_row("speed-up", f"{result.speedup or 0.0:.2f}x")
+        table.caption = (
+            "without the cache: the same requests, every image through the same encoder, "
+            "timed alongside"
+        )
     table.add_row(
         "hashed",
         f"{r.hashed_bytes / 1e6:.0f} MB in {r.hash_seconds * 1e3:.0f} ms "
@@ -165,7 +168,8 @@ def demo(
 
 
 class _ProgressBar:
-    """A rich progress bar over the requests (or nothing), advanced by calling it."""
+    """A rich progress bar over the requests, advanced by calling it; nothing when
+    disabled or when stderr is not a terminal."""
 
     def __init__(self, console: Console, total: int, enabled: bool) -> None:
         from rich.progress import (
@@ -183,7 +187,7 @@ class _ProgressBar:
             TextColumn("requests, {task.fields[hits]} hits"),
             TimeElapsedColumn(),
             console=console,
-            disable=not enabled,
+            disable=not (enabled and console.is_terminal),
             transient=True,
         )
         self._task = self._progress.add_task("encoding", total=total, hits=0)

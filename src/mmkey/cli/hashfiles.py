@@ -94,7 +94,8 @@ def hash_file(path: Path, scheme: HashScheme, modality: Modality) -> list[Hashed
             if features in obj and grids in obj:
                 grid_thw: Any = obj[grids]
                 digests = hashes_from_features(obj[features], grid_thw, scheme=scheme)
-                for i, (digest, grid) in enumerate(zip(digests, grid_thw.tolist())):
+                rows = grid_thw.tolist() if hasattr(grid_thw, "tolist") else list(grid_thw)
+                for i, (digest, grid) in enumerate(zip(digests, rows)):
                     out.append(
                         Hashed(
                             f"{path}:{features}#{i}",

@@ -127,8 +127,8 @@ class EncodePlan:
             else:
                 self.stale += 1
 
-    def misses(self) -> int:
-        """How many distinct items still need the encoder."""
+    def collect_misses(self) -> int:
+        """Settle which distinct items still need the encoder; how many."""
         self.encoding = [s for s, v in enumerate(self.found) if v is None]
         return len(self.encoding)
 

@@ -119,7 +119,7 @@ def _encode(
         if wanted:
             plan.take_embeddings(_call(plan, "get_embeddings", cache.get_embeddings, wanted))
         plan.lookup_seconds += time.perf_counter() - start
-    if plan.misses():
+    if plan.collect_misses():
         start = time.perf_counter()
         keys, embeddings = plan.take_encoded(encode(*plan.encode_inputs()))
         plan.encode_seconds += time.perf_counter() - start
@@ -265,7 +265,7 @@ async def _aencode(
             found = await _acall(plan, "get_embeddings", cache.get_embeddings, wanted)
             plan.take_embeddings(found)
         plan.lookup_seconds += time.perf_counter() - start
-    if plan.misses():
+    if plan.collect_misses():
         start = time.perf_counter()
         output = encode(*plan.encode_inputs())
         if inspect.isawaitable(output):
