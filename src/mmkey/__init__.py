@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from mmkey.cache.aio import AsyncCache
 from mmkey.cache.memory import MemoryCache
+from mmkey.cache.mooncake import MooncakeCache
+from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.cache.protocol import AsyncEmbeddingCache, CacheStats, EmbeddingCache
 from mmkey.cache.tiered import TieredCache
 from mmkey.digest import HashScheme, MMHash, Modality, mm_hash
@@ -40,6 +42,8 @@ __all__ = [
     "MMKeyError",
     "MemoryCache",
     "Modality",
+    "MooncakeCache",
+    "MooncakeConfig",
     "StoreClosed",
     "StoreError",
     "TieredCache",

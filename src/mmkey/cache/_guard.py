@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from mmkey.keys import CacheKey, key_text
+from mmkey.keys import CacheKey, EmbeddingKey, key_text
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,9 @@ def key_texts(keys: Sequence[CacheKey], method: str) -> list[str]:
     instead of a sequence), and `InvalidKey` for a foreign ``to_key()`` outside the key
     alphabet. `method` names the caller in messages.
     """
-    return [key_text(key) for key in _as_list(keys, "CacheKey objects", method)]
+    items = _as_list(keys, "CacheKey objects", method)
+    # EmbeddingKey checked its text when it was built: skip the generic checks for it
+    return [key.to_key() if type(key) is EmbeddingKey else key_text(key) for key in items]
 
 
 def insert_args(
