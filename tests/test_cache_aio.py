@@ -43,6 +43,8 @@ def test_is_an_async_embedding_cache_over_any_embedding_cache() -> None:
     assert isinstance(cache.cache, MemoryCache)
     with pytest.raises(TypeError, match="EmbeddingCache"):
         AsyncCache(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="AsyncCache"):
+        AsyncCache(cache)  # type: ignore[arg-type]
 
 
 def test_every_method_round_trips() -> None:

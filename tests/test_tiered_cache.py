@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mmkey import (
+    AsyncCache,
     CacheKey,
     CacheStats,
     EmbeddingCache,
@@ -72,6 +73,8 @@ def test_is_an_embedding_cache_and_needs_two_distinct_caches() -> None:
         TieredCache(l1, l1)
     with pytest.raises(TypeError, match="EmbeddingCache"):
         TieredCache(l1, {})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"synchronous EmbeddingCache, got the async AsyncCache"):
+        TieredCache(l1, AsyncCache(MemoryCache(1)))  # type: ignore[arg-type]
 
 
 def test_reads_fall_through_to_l2_and_promote_hits() -> None:

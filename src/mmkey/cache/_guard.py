@@ -7,15 +7,17 @@ run time too, for callers without mypy. Each cache method calls `key_texts` (rea
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from mmkey.cache.protocol import EmbeddingCache
 from mmkey.keys import CacheKey, EmbeddingKey, key_text
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["insert_args", "key_texts"]
+__all__ = ["insert_args", "key_texts", "sync_cache"]
 
 
 def _as_list(items: object, what: str, method: str) -> list[object]:
@@ -76,3 +78,19 @@ def insert_args(
             )
         checked.append(tensor)
     return texts, checked
+
+
+def sync_cache(cache: object, what: str) -> EmbeddingCache:
+    """`cache`, checked to be a synchronous `EmbeddingCache`; `what` names it in messages.
+
+    An `AsyncEmbeddingCache` has the same method names, so the protocol check alone would
+    let it through; its coroutine methods are refused here with a `TypeError`.
+    """
+    if not isinstance(cache, EmbeddingCache):
+        raise TypeError(f"{what} must be an EmbeddingCache, got {type(cache).__name__}")
+    if inspect.iscoroutinefunction(cache.get_embeddings):
+        raise TypeError(
+            f"{what} must be a synchronous EmbeddingCache, got the async {type(cache).__name__}; "
+            "pass the cache it wraps (AsyncCache(c).cache)"
+        )
+    return cache

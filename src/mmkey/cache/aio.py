@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+from mmkey.cache._guard import sync_cache
 from mmkey.cache.protocol import CacheStats, EmbeddingCache
 from mmkey.errors import StoreClosed
 from mmkey.keys import CacheKey
@@ -36,9 +37,7 @@ class AsyncCache:
     """
 
     def __init__(self, cache: EmbeddingCache, *, executor: Executor | None = None) -> None:
-        if not isinstance(cache, EmbeddingCache):
-            raise TypeError(f"cache must be an EmbeddingCache, got {type(cache).__name__}")
-        self._cache = cache
+        self._cache = sync_cache(cache, "cache")
         self._executor = executor
         self._closed = False
 

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from mmkey.cache._guard import insert_args, key_texts
+from mmkey.cache._guard import insert_args, key_texts, sync_cache
 from mmkey.cache.protocol import CacheStats, EmbeddingCache
 from mmkey.errors import StoreClosed, StoreError
 from mmkey.keys import CacheKey
@@ -37,13 +37,10 @@ class TieredCache:
     """
 
     def __init__(self, l1: EmbeddingCache, l2: EmbeddingCache) -> None:
-        for name, tier in (("l1", l1), ("l2", l2)):
-            if not isinstance(tier, EmbeddingCache):
-                raise TypeError(f"{name} must be an EmbeddingCache, got {type(tier).__name__}")
         if l1 is l2:
             raise ValueError("l1 and l2 must be two different caches")
-        self.l1 = l1
-        self.l2 = l2
+        self.l1 = sync_cache(l1, "l1")
+        self.l2 = sync_cache(l2, "l2")
         self._lock = threading.Lock()
         self._closed = False
         self._hits = self._misses = self._inserts = self._errors = 0
