@@ -262,8 +262,12 @@ def test_wrong_argument_types_name_the_fix() -> None:
         encode_entry(key_obj, t)  # type: ignore[arg-type]
     with pytest.raises(InvalidKey, match="ASCII"):
         encode_entry("mmk1@caf\u00e9", t)
-    with pytest.raises(InvalidKey):
+    with pytest.raises(InvalidKey, match="1 to 8192 bytes"):
         encode_entry("", t)
+    with pytest.raises(InvalidKey, match="1 to 8192 bytes"):
+        encode_entry("k" * 8193, t)
+    longest = EmbeddingKey("\U0001f642" * 256, Modality.AUDIO, HashScheme.XXH3, mm_hash(1)).to_key()
+    assert decode_entry(longest, encode_entry(longest, t)).tolist() == [0.0, 0.0]
     with pytest.raises(TypeError, match="as_tensor"):
         encode_entry(KEY, [1.0, 2.0])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="to_dense"):

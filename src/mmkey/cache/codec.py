@@ -96,7 +96,7 @@ DTYPE_CODES: dict[str, int] = {
 _FIXED = struct.Struct("<4sBBBBHHIQ16s")
 _FIXED_SIZE = _FIXED.size  # 40
 _DIGEST_AT = 24
-_MAX_KEY_BYTES = 0xFFFF
+_MAX_KEY_BYTES = 8192  # the longest v1 key is ~3.1 KB; the header length must fit a u16
 _PyBUF_READ = 0x100
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
