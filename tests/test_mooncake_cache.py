@@ -238,6 +238,7 @@ def test_calls_after_close_raise_store_closed(mooncake_master_session: MasterPro
         lambda: c.batch_is_exist([key(9000)]),
         lambda: c.insert_batch([key(9000)], [torch.ones(3)]),
         lambda: c.prefetch([key(9000)]),
+        c.stats,
     ):
         with pytest.raises(StoreClosed):
             call()

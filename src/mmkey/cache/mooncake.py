@@ -163,6 +163,7 @@ class MooncakeCache:
 
     def stats(self) -> CacheStats:
         """Hits, misses, inserts, corrupt entries and store errors since creation."""
+        self._check_open()
         return self._counts.snapshot()
 
     def close(self) -> None:
