@@ -33,7 +33,7 @@ stubtest: $(VENV)/.dev
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash stubs/run_stubtest.sh
 
 pytest: $(VENV)/.dev
-	$(BIN)/python -m pytest
+	MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR $(BIN)/python -m pytest
 
 test: typecheck stubtest pytest
 
