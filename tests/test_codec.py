@@ -26,6 +26,7 @@ from mmkey.cache.codec import (
     entry_size,
     peek_header,
 )
+from mmkey.cache.codec import _DIGEST_AT, _FUSED_MAX
 
 KEY = EmbeddingKey("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(7)).to_key()
 OTHER = EmbeddingKey("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(8)).to_key()
@@ -286,3 +287,22 @@ def test_importing_the_codec_loads_neither_torch_nor_xxhash() -> None:
     code = "import sys, mmkey.cache.codec; print('torch' in sys.modules, 'xxhash' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("payload", [_FUSED_MAX - 8, _FUSED_MAX, _FUSED_MAX + 8, 3 * _FUSED_MAX])
+def test_both_copy_paths_round_trip_and_refuse_a_flip_at_either_end(payload: int) -> None:
+    """Payloads up to `_FUSED_MAX` are copied and then hashed; larger ones hashed, then cloned."""
+    t = torch.randint(-128, 128, (payload // 8, 8), dtype=torch.int8)
+    entry = encode_entry(KEY, t)
+    head = len(entry) - payload
+    for data in (entry, bytearray(entry), memoryview(entry)):
+        out = decode_entry(KEY, data)
+        assert_same(out, t)
+        if isinstance(data, bytearray):
+            data[head] ^= 0xFF
+            assert_same(out, t)
+    for at in (0, _DIGEST_AT, head, head + 1, len(entry) - 2, len(entry) - 1):
+        broken = bytearray(entry)
+        broken[at] ^= 0x10
+        with pytest.raises(CorruptEntry):
+            decode_entry(KEY, bytes(broken))
