@@ -49,6 +49,18 @@ def time_best(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def _one_thread(fn: Callable[[], object]) -> object:
+    """`fn()` with torch limited to one thread: the bound for a sequential hash."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def sglang_cpu_anchor(t: torch.Tensor) -> int:
     """SGLang's CPU path as ANCHORS.md describes it: flatten, concatenate, SHA-256 over a
     bytes copy, first 8 bytes big-endian; the older version upcast bf16 to float32."""
@@ -88,6 +100,7 @@ def hash_rows(dtype_names: tuple[str, ...] = ("float32", "bfloat16"), repeats: i
             ("SGLang CPU algorithm (anchor)", lambda: sglang_cpu_anchor(t)),
             ("vLLM-style blake3 + tobytes (anchor)", lambda: vllm_blake3_anchor(t)),
             ("memory read bandwidth: tensor.sum()", lambda: t.sum()),
+            ("read bandwidth, 1 thread: tensor.sum()", lambda: _one_thread(t.sum)),
         ]
         paths.extend((f"mmkey {s.value}", functools.partial(hash_tensor, t, s)) for s in HashScheme)
         speeds = {name: nbytes / time_best(fn, repeats) / 1e9 for name, fn in paths}
