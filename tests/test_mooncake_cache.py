@@ -331,3 +331,19 @@ def test_close_with_a_hung_master_returns_within_the_setup_deadline(
     with pytest.raises(StoreClosed):
         c.get_embeddings([key(13_000)])
     mooncake_master.resume()
+
+
+def test_entries_larger_than_the_staging_buffer_and_its_slots(
+    mooncake_master_session: MasterProcess,
+) -> None:
+    # a 4 MiB staging buffer: 8 MiB entries bypass it on write, and in a batch read of
+    # many keys each slot is smaller than the large entries, which are then read alone
+    with MooncakeCache(config(mooncake_master_session, local_buffer_size=4 * MiB)) as c:
+        big = [torch.randn(2 * MiB) for _ in range(2)]  # 8 MiB each
+        small = [torch.randn(64, 64) for _ in range(30)]
+        keys = [key(14_000 + i) for i in range(32)]
+        assert c.insert_batch(keys, big + small) == [True] * 32
+        got = c.get_embeddings(keys)
+        for g, want in zip(got, big + small):
+            assert g is not None and torch.equal(g, want)
+        assert c.stats().errors == 0

@@ -13,8 +13,9 @@ by itself. Entries move through registered buffers (`batch_upsert_from`,
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from mmkey._net import parse_host_port, port_accepts
@@ -49,6 +50,18 @@ _INSTALL_HINT = (
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+@contextlib.contextmanager
+def _registered(store: MooncakeDistributedStore, buf: torch.Tensor) -> Iterator[int]:
+    """Register `buf` with the store for a zero-copy transfer; yields its address."""
+    ptr = buf.data_ptr()
+    if store.register_buffer(ptr, buf.numel()) != 0:
+        raise StoreError("register_buffer failed")
+    try:
+        yield ptr
+    finally:
+        store.unregister_buffer(ptr)
 
 
 class _Counters:
@@ -227,13 +240,8 @@ class MooncakeCache:
             return
         self._slot = max(self._slot, min(_aligned(size), self._staging_bytes))
         buf = torch.empty(size, dtype=torch.uint8)
-        ptr = buf.data_ptr()
-        if store.register_buffer(ptr, size) != 0:
-            raise StoreError("register_buffer failed")
-        try:
+        with _registered(store, buf) as ptr:
             got = store.get_into(text, ptr, size)
-        finally:
-            store.unregister_buffer(ptr)
         if got == size:
             self._decode_into(found, text, buf.numpy().data, copy=False)
 
@@ -288,13 +296,8 @@ class MooncakeCache:
 
         buf = torch.empty(size, dtype=torch.uint8)
         encode_entry_into(buf.numpy().data, text, tensor)
-        ptr = buf.data_ptr()
-        if store.register_buffer(ptr, size) != 0:
-            raise StoreError("register_buffer failed")
-        try:
+        with _registered(store, buf) as ptr:
             code = store.upsert_from(text, ptr, size)
-        finally:
-            store.unregister_buffer(ptr)
         if code in _RPC_FAILURES:
             raise StoreError(f"upsert_from: master unreachable ({code})")
         return code == 0
