@@ -1,0 +1,58 @@
+"""The Mooncake adapter and the stubbed binding, as mypy sees them."""
+
+from __future__ import annotations
+
+import torch
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+from typing_extensions import assert_type
+
+from mmkey import (
+    AsyncCache,
+    CacheStats,
+    EmbeddingCache,
+    EmbeddingKey,
+    MMHash,
+    MooncakeCache,
+    MooncakeConfig,
+    TieredCache,
+    MemoryCache,
+)
+
+
+def adapter_types(config: MooncakeConfig, key: EmbeddingKey, t: torch.Tensor, h: MMHash) -> None:
+    cache = MooncakeCache(config)
+    as_protocol: EmbeddingCache = cache
+    TieredCache(MemoryCache(1 << 20), cache)
+    AsyncCache(cache)
+    assert_type(cache.batch_is_exist([key]), list[bool])
+    assert_type(cache.get_embeddings([key]), list[torch.Tensor | None])
+    assert_type(cache.insert_batch([key], [t]), list[bool])
+    assert_type(cache.prefetch([key]), int)
+    assert_type(cache.stats(), CacheStats)
+    assert_type(cache.is_connected(), bool)
+    assert_type(MooncakeConfig.from_env(), MooncakeConfig)
+    assert_type(config.setup_args(), tuple[str, str, int, int, str, str, str])
+    with MooncakeCache(config) as scoped:
+        assert_type(scoped, MooncakeCache)
+    cache.batch_is_exist([h])  # type: ignore[list-item]
+    cache.get_embeddings([key.to_key()])  # type: ignore[list-item]
+    cache.insert_batch([key], [t.numpy()])  # type: ignore[list-item]
+    MooncakeCache("127.0.0.1:50051")  # type: ignore[arg-type]
+    MooncakeConfig("127.0.0.1:50051")  # type: ignore[call-arg]
+    config.deadline = 1.0  # type: ignore[misc]
+    del as_protocol
+
+
+def binding_types(store: MooncakeDistributedStore) -> None:
+    assert_type(store.setup("h", "P2PHANDSHAKE", 1, 1, "tcp", "", "h:1"), int)
+    assert_type(store.get("k"), bytes)
+    assert_type(store.get_batch(["k"]), list[bytes])
+    assert_type(store.batch_is_exist(["k"]), list[int])
+    assert_type(store.put("k", b"v"), int)
+    assert_type(store.batch_get_into(["k"], [0], [1]), list[int])
+    assert_type(store.batch_upsert_from(["k"], [0], [1]), list[int])
+    store.put("k", b"v", ReplicateConfig())
+    store.get(key="k")  # type: ignore[call-arg]
+    store.put(5, b"v")  # type: ignore[arg-type]
+    store.batch_is_exist("k")  # type: ignore[arg-type]
+    store.put("k", "text")  # type: ignore[arg-type]
