@@ -165,3 +165,34 @@ def test_concurrent_requests_each_get_their_own_embeddings() -> None:
         await cache.close()
 
     asyncio.run(main())
+
+
+def test_a_synchronous_cache_is_refused_by_the_async_twin_not_silently_missed() -> None:
+    # a sync cache's results cannot be awaited: swallowing that would lose every hit
+    async def main() -> None:
+        cache = MemoryCache(1 << 20)
+        with pytest.raises(TypeError, match="AsyncCache"):
+            await aencode_with_cache(  # type: ignore[call-overload]
+                *request([1]), encode=CountingEncoder(), cache=cache, namespace=NS
+            )
+
+    asyncio.run(main())
+
+
+def test_an_async_cache_is_refused_by_the_sync_path_not_silently_missed() -> None:
+    cache = AsyncCache(MemoryCache(1 << 20))
+    with pytest.raises(TypeError, match="synchronous EmbeddingCache"):
+        encode_with_cache(  # type: ignore[call-overload]
+            *request([1]), encode=CountingEncoder(), cache=cache, namespace=NS
+        )
+
+
+@pytest.mark.parametrize("feature", [["a", "b"], "ab", 3])
+def test_malformed_features_are_a_type_error_in_the_async_twin(feature: Any) -> None:
+    encode: Any = CountingEncoder()
+
+    async def main() -> None:
+        with pytest.raises(TypeError):
+            await aencode_with_cache(feature, encode=encode, cache=None, namespace=NS)
+
+    asyncio.run(main())

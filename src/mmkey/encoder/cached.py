@@ -183,17 +183,37 @@ def _call(
     plan: EncodePlan, operation: str, method: Callable[..., object], *args: object
 ) -> object:
     try:
-        return method(*args)
+        result = method(*args)
     except Exception as exc:  # a cache is an optimisation: never fail the encode
         plan.cache_failed(operation, exc)
         return FAILED
+    if inspect.isawaitable(result):  # misuse, not a cache failure: it would lose every hit
+        if inspect.iscoroutine(result):
+            result.close()
+        raise TypeError(
+            f"cache.{operation}() returned an awaitable: encode_with_cache takes a "
+            "synchronous EmbeddingCache; use aencode_with_cache with an async cache, "
+            "or pass the cache it wraps (AsyncCache(c).cache)"
+        )
+    return result
 
 
 async def _acall(
     plan: EncodePlan, operation: str, method: Callable[..., Awaitable[object]], *args: object
 ) -> object:
     try:
-        return await method(*args)
+        pending: object = method(*args)
+    except Exception as exc:  # a cache is an optimisation: never fail the encode
+        plan.cache_failed(operation, exc)
+        return FAILED
+    if not inspect.isawaitable(pending):  # misuse, not a cache failure: it would lose every hit
+        raise TypeError(
+            f"cache.{operation}() returned {type(pending).__name__}, not an awaitable: "
+            "aencode_with_cache takes an AsyncEmbeddingCache; wrap a synchronous cache "
+            "with mmkey.AsyncCache(cache), or call encode_with_cache"
+        )
+    try:
+        return await pending
     except Exception as exc:  # a cache is an optimisation: never fail the encode
         plan.cache_failed(operation, exc)
         return FAILED
@@ -326,7 +346,10 @@ async def aencode_with_cache(
     return result.embeddings
 
 
-def _nbytes(feature: Features) -> int:
+def _nbytes(feature: object) -> int:
+    """Feature bytes of a request; 0 for malformed input, which `EncodePlan.build` refuses."""
     if isinstance(feature, torch.Tensor):
         return feature.numel() * feature.element_size()
-    return sum(t.numel() * t.element_size() for t in feature)
+    if isinstance(feature, (str, bytes)) or not isinstance(feature, Sequence):
+        return 0
+    return sum(t.numel() * t.element_size() for t in feature if isinstance(t, torch.Tensor))
