@@ -319,6 +319,32 @@ def test_no_master_at_construction_then_it_comes_up(mooncake_master: MasterProce
         c.close()
 
 
+def test_reconnecting_waits_at_most_the_call_deadline_not_the_setup_deadline(
+    mooncake_master: MasterProcess,
+) -> None:
+    # the master is down at construction, then answers its port but sets clients up slowly
+    # (as a hung master does): a lookup must still return within `deadline`, not wait for
+    # `setup_deadline`; the slow setup finishes on the worker and the cache recovers
+    mooncake_master.kill()
+    c = MooncakeCache(config(mooncake_master, setup_deadline=4.0))
+    real = c._store_class
+
+    class SlowSetup(real):  # type: ignore[valid-type, misc]
+        def setup(self, *args: object) -> int:
+            time.sleep(2.5)
+            return int(super().setup(*args))
+
+    c._store_class = SlowSetup
+    try:
+        mooncake_master.restart()
+        time.sleep(0.3)  # past retry_after
+        got, took = timed(lambda: c.get_embeddings([key(12_500)]))
+        assert got == [None] and took < BOUND
+        assert wait_until(lambda: c.insert_batch([key(12_500)], [torch.ones(2)]) == [True], 30)
+    finally:
+        c.close()
+
+
 def test_close_with_a_hung_master_returns_within_the_setup_deadline(
     mooncake_master: MasterProcess,
 ) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -330,11 +331,13 @@ class MooncakeCache:
         if self._runner.is_busy() or not self._breaker.allow():
             self._counts.add(errors=1)
             return None
-        if self._store is None or self._suspect:
+        if self._store is None:
+            # re-join within this call's deadline; a slower setup finishes on the worker
+            if not self._connect(self._config.deadline):
+                return None
+        elif self._suspect:
             if not port_accepts(self._host, self._port, min(self._config.deadline, 0.2)):
                 self._fail()
-                return None
-            if self._store is None and not self._connect():
                 return None
 
         def on_worker() -> T:
@@ -360,13 +363,19 @@ class MooncakeCache:
         self._suspect = True
         self._counts.add(errors=1)
 
-    def _connect(self) -> bool:
-        """Set the store up if the master answers; False (counted) if it does not."""
-        if not port_accepts(self._host, self._port, min(self._config.setup_deadline, 0.5)):
+    def _connect(self, wait: float | None = None) -> bool:
+        """Set the store up if the master answers; False (counted) if it does not.
+
+        The caller waits at most `wait` seconds (``setup_deadline`` by default); a setup
+        still running then finishes on the worker, and a later call finds the store set up.
+        """
+        wait = self._config.setup_deadline if wait is None else wait
+        give_up = time.monotonic() + wait
+        if not port_accepts(self._host, self._port, min(wait, 0.5)):
             self._fail()
             return False
         try:
-            ok = self._runner.call(self._setup_on_worker, self._config.setup_deadline)
+            ok = self._runner.call(self._setup_on_worker, max(give_up - time.monotonic(), 0.001))
         except CallTimeout:
             ok = False
         if not ok:
