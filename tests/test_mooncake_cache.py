@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -343,6 +344,38 @@ def test_reconnecting_waits_at_most_the_call_deadline_not_the_setup_deadline(
         assert wait_until(lambda: c.insert_batch([key(12_500)], [torch.ones(2)]) == [True], 30)
     finally:
         c.close()
+
+
+def test_tensors_reused_after_an_insert_timed_out_are_never_stored(
+    monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
+) -> None:
+    # the first staging flush outlives the deadline: insert_batch returns and the caller
+    # reuses its tensors; the worker must not encode the rest of the batch from them
+    import mooncake.store
+
+    class SlowFirstFlush(mooncake.store.MooncakeDistributedStore):
+        flushes = 0
+
+        def batch_upsert_from(
+            self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], *rest: Any
+        ) -> list[int]:
+            SlowFirstFlush.flushes += 1
+            if SlowFirstFlush.flushes == 1:
+                time.sleep(1.0)
+            return super().batch_upsert_from(keys, buffer_ptrs, sizes, *rest)
+
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", SlowFirstFlush)
+    with MooncakeCache(config(mooncake_master_session, local_buffer_size=4 * MiB)) as c:
+        keys = [key(15_000 + i) for i in range(6)]
+        tensors = [torch.full((MiB // 4,), float(i)) for i in range(6)]  # 1 MiB each
+        originals = [t.clone() for t in tensors]
+        ok, took = timed(lambda: c.insert_batch(keys, tensors))
+        assert ok == [False] * 6 and took < BOUND
+        for t in tensors:
+            t.fill_(-1.0)  # the caller's buffers, reused
+        assert wait_until(lambda: c.batch_is_exist(keys[:1]) == [True], 10)
+        for got, want in zip(c.get_embeddings(keys), originals):
+            assert got is None or torch.equal(got, want)
 
 
 def test_close_with_a_hung_master_returns_within_the_setup_deadline(

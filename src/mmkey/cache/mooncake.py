@@ -257,6 +257,17 @@ class MooncakeCache:
     def _write(self, texts: list[str], tensors: list[torch.Tensor]) -> dict[str, bool]:
         """Upsert entries through the staging buffer; runs entirely on the worker thread."""
         sizes = [entry_size(text, t) for text, t in zip(texts, tensors)]
+        # The worker reads the caller's tensors only while holding `reading`, and never
+        # after the caller stopped waiting (`released`): a caller that timed out may reuse
+        # its tensors at once, and a late encode would store that new data under old keys.
+        reading = threading.Lock()
+        released = threading.Event()
+
+        def encode(target: memoryview, text: str, tensor: torch.Tensor) -> None:
+            with reading:
+                if released.is_set():
+                    raise StoreError("insert_batch stopped waiting; its tensors are not read")
+                encode_entry_into(target, text, tensor)
 
         def write(store: MooncakeDistributedStore) -> dict[str, bool]:
             staging = self._staging_on_worker(store)
@@ -265,18 +276,22 @@ class MooncakeCache:
             used = 0
             for text, t, size in zip(texts, tensors, sizes):
                 if size > staging.nbytes:
-                    stored[text] = self._write_large_on_worker(store, text, t, size)
+                    stored[text] = self._write_large_on_worker(store, text, t, size, encode)
                     continue
                 if used + size > staging.nbytes:
                     stored.update(self._flush_on_worker(store, batch))
                     batch, used = [], 0
-                encode_entry_into(staging[used : used + size], text, t)
+                encode(staging[used : used + size], text, t)
                 batch.append((text, used, size))
                 used += _aligned(size)
             stored.update(self._flush_on_worker(store, batch))
             return stored
 
-        return self._call(write) or {}
+        try:
+            return self._call(write) or {}
+        finally:
+            with reading:  # waits out an entry being encoded right now, if any
+                released.set()
 
     def _flush_on_worker(
         self, store: MooncakeDistributedStore, batch: list[tuple[str, int, int]]
@@ -291,12 +306,17 @@ class MooncakeCache:
         return {text: code == 0 for text, code in zip(keys, codes)}
 
     def _write_large_on_worker(
-        self, store: MooncakeDistributedStore, text: str, tensor: torch.Tensor, size: int
+        self,
+        store: MooncakeDistributedStore,
+        text: str,
+        tensor: torch.Tensor,
+        size: int,
+        encode: Callable[[memoryview, str, torch.Tensor], None],
     ) -> bool:
         import torch
 
         buf = torch.empty(size, dtype=torch.uint8)
-        encode_entry_into(buf.numpy().data, text, tensor)
+        encode(buf.numpy().data, text, tensor)
         with _registered(store, buf) as ptr:
             code = store.upsert_from(text, ptr, size)
         if code in _RPC_FAILURES:
