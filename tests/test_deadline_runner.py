@@ -35,6 +35,23 @@ def test_a_stuck_call_times_out_and_keeps_the_runner_busy_until_it_ends() -> Non
     runner.stop()
 
 
+def test_a_call_is_stuck_only_once_it_outlives_the_deadline_and_queued_timeouts_never_run() -> None:
+    runner = DeadlineRunner("test")
+    release = threading.Event()
+    ran: list[str] = []
+    running = runner.submit(lambda: release.wait(10))
+    assert not runner.is_stuck(5.0), "a call that just started is worth queueing behind"
+    with pytest.raises(CallTimeout):
+        runner.call(lambda: ran.append("queued"), deadline=0.1)
+    assert runner.is_stuck(0.05)
+    release.set()
+    running.result(timeout=5)
+    assert runner.call(lambda: "after", deadline=5) == "after"
+    assert ran == [], "a call that timed out before it started is cancelled"
+    assert not runner.is_stuck(0.0)
+    runner.stop()
+
+
 def test_calls_run_one_at_a_time_in_order() -> None:
     runner = DeadlineRunner("test")
     seen: list[int] = []

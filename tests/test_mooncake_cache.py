@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -344,6 +345,29 @@ def test_reconnecting_waits_at_most_the_call_deadline_not_the_setup_deadline(
         assert wait_until(lambda: c.insert_batch([key(12_500)], [torch.ones(2)]) == [True], 30)
     finally:
         c.close()
+
+
+def test_concurrent_callers_queue_instead_of_missing(cache: MooncakeCache) -> None:
+    # healthy store, four threads: every read of a held key is a hit, no error counted
+    keys = [key(16_000 + i) for i in range(32)]
+    values = [torch.full((16 * 1024,), float(i)) for i in range(32)]
+    assert cache.insert_batch(keys, values) == [True] * 32
+    before = cache.stats()
+    wrong: list[int] = []
+
+    def reader() -> None:
+        for _ in range(20):
+            for got, want in zip(cache.get_embeddings(keys), values):
+                if got is None or not torch.equal(got, want):
+                    wrong.append(1)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+    assert cache.stats().errors == before.errors
 
 
 def test_tensors_reused_after_an_insert_timed_out_are_never_stored(

@@ -2,8 +2,9 @@
 
 A store binding can block for tens of seconds when its server hangs. Every call goes to
 a single worker thread (so calls into the binding never overlap) and the caller waits
-at most a deadline for it. While a call is still stuck the runner is busy and the
-adapter answers from its fallback at once instead of queueing behind it.
+at most a deadline for it. Calls queue behind a healthy call; once the running call has
+outlived its deadline (`is_stuck`) the adapter answers from its fallback at once instead
+of queueing behind it, and a call that timed out in the queue is cancelled, never run.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class DeadlineRunner:
             queue.SimpleQueue()
         )
         self._pending = 0
+        self._running_since: float | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -43,6 +45,16 @@ class DeadlineRunner:
         """Whether an earlier call is still queued or running."""
         with self._lock:
             return self._pending > 0
+
+    def is_stuck(self, after: float) -> bool:
+        """Whether the call running now started more than `after` seconds ago.
+
+        Calls queued behind a healthy call are worth waiting for (each caller still waits
+        at most its deadline); calls behind a stuck one are not.
+        """
+        with self._lock:
+            since = self._running_since
+        return since is not None and time.monotonic() - since > after
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue `fn`; its future completes when the worker has run it."""
@@ -53,11 +65,15 @@ class DeadlineRunner:
         return future
 
     def call(self, fn: Callable[[], T], deadline: float) -> T:
-        """Run `fn` on the worker and return its result, or raise `CallTimeout`."""
+        """Run `fn` on the worker and return its result, or raise `CallTimeout`.
+
+        A call that times out before the worker started it is cancelled: it never runs.
+        """
         future = self.submit(fn)
         try:
             return future.result(timeout=deadline)
         except FutureTimeout:
+            future.cancel()
             raise CallTimeout(f"store call still running after {deadline:.3g} s") from None
 
     def stop(self) -> None:
@@ -69,6 +85,8 @@ class DeadlineRunner:
             fn, future = task
             try:
                 if future.set_running_or_notify_cancel():
+                    with self._lock:
+                        self._running_since = time.monotonic()
                     try:
                         future.set_result(fn())
                     except BaseException as exc:  # handed to the caller
@@ -76,6 +94,7 @@ class DeadlineRunner:
             finally:
                 with self._lock:
                     self._pending -= 1
+                    self._running_since = None
 
 
 class Breaker:

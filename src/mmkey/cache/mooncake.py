@@ -348,7 +348,7 @@ class MooncakeCache:
 
     def _call(self, fn: Callable[[MooncakeDistributedStore], T]) -> T | None:
         """`fn(store)` on the worker within the deadline, or None after counting a failure."""
-        if self._runner.is_busy() or not self._breaker.allow():
+        if self._runner.is_stuck(self._config.deadline) or not self._breaker.allow():
             self._counts.add(errors=1)
             return None
         if self._store is None:
