@@ -36,3 +36,10 @@ def test_public_names_are_exported() -> None:
     for required in ("MMHash", "mm_hash", "HashScheme", "Modality", "hash_tensor", "hash_bytes",
                      "CacheKey", "EmbeddingKey", "EmbeddingCache", "InvalidKey", "InvalidDigest"):
         assert required in mmkey.__all__
+
+
+def test_hash_bytes_does_not_load_torch() -> None:
+    loaded = imported_after(
+        "import mmkey\nassert mmkey.hash_bytes(b'x') == mmkey.hash_bytes(bytearray(b'x'))"
+    )
+    assert "torch" not in loaded and "xxhash" not in loaded

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -430,3 +431,13 @@ def test_entries_larger_than_the_staging_buffer_and_its_slots(
         for g, want in zip(got, big + small):
             assert g is not None and torch.equal(g, want)
         assert c.stats().errors == 0
+
+
+def test_an_unclosed_cache_warns_when_collected(mooncake_master_session: MasterProcess) -> None:
+    c = MooncakeCache(config(mooncake_master_session))
+    with pytest.warns(ResourceWarning, match="never closed"):
+        c.__del__()
+    c.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.__del__()  # closed: silent

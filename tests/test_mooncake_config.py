@@ -101,6 +101,8 @@ def test_bad_sizes_are_value_errors(text: str) -> None:
         ({"deadline": float("inf")}, ValueError, "finite"),
         ({"deadline": "1"}, TypeError, "seconds"),
         ({"global_segment_size": -1}, ValueError, ">= 0"),
+        ({"global_segment_size": "512MB"}, TypeError, "parse_size"),
+        ({"protocol": ["tcp"]}, TypeError, "protocol must be text"),
         ({"local_buffer_size": 0}, ValueError, "> 0"),
         ({"local_hostname": ""}, ValueError, "local_hostname"),
     ],

@@ -93,9 +93,9 @@ def hash_bytes(data: Buffer, scheme: HashScheme = HashScheme.BLAKE3) -> MMHash:
 
 
 def _as_bytes(data: object) -> memoryview:
-    import torch
-
-    if isinstance(data, (str, torch.Tensor)):
+    # a tensor exists only once torch is loaded: never import it just to refuse one
+    torch = sys.modules.get("torch")
+    if isinstance(data, str) or (torch is not None and isinstance(data, torch.Tensor)):
         fix = "encode text first, e.g. s.encode()" if isinstance(data, str) else "use hash_tensor()"
         raise TypeError(f"hash_bytes() takes bytes-like data, got {type(data).__name__}; {fix}")
     try:

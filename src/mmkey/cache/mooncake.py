@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -192,6 +193,15 @@ class MooncakeCache:
         except Exception:  # a hung store: the worker closes it when its call returns
             self._counts.add(errors=1)
 
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(
+                f"{self!r} was never closed: its store, worker thread and registered buffer "
+                "live until the process exits; call close() or use it as a context manager",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
     def __enter__(self) -> MooncakeCache:
         return self
 
@@ -237,12 +247,16 @@ class MooncakeCache:
         import torch
 
         size = store.get_size(text)
+        if size in _RPC_FAILURES:
+            raise StoreError(f"get_size: master unreachable ({size})")
         if size <= 0:
             return
         self._slot = max(self._slot, min(_aligned(size), self._staging_bytes))
         buf = torch.empty(size, dtype=torch.uint8)
         with _registered(store, buf) as ptr:
             got = store.get_into(text, ptr, size)
+        if got in _RPC_FAILURES:
+            raise StoreError(f"get_into: master unreachable ({got})")
         if got == size:
             self._decode_into(found, text, buf.numpy().data, copy=False)
 
@@ -409,7 +423,7 @@ class MooncakeCache:
             return True
         store = self._store_class()
         if store.setup(*self._config.setup_args()) != 0:
-            store.close()
+            store.close()  # measured safe on a store whose setup failed (contract test)
             return False
         self._store = store
         return True

@@ -37,7 +37,12 @@ def parse_size(value: int | str, field: str = "size") -> int:
 
 
 def _non_negative_size(_: object, attribute: attrs.Attribute[int], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"MooncakeConfig.{attribute.name} must be a byte count (int), got {value!r}; "
+            "read size text like '512MB' with mmkey.cache.mooncake_config.parse_size()"
+        )
+    if value < 0:
         raise ValueError(f"MooncakeConfig.{attribute.name} must be a byte count >= 0, got {value!r}")
 
 
@@ -69,6 +74,8 @@ def _text(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
 
 
 def _protocol(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"MooncakeConfig.protocol must be text such as 'tcp', got {value!r}")
     if value not in _PROTOCOLS:
         raise ValueError(
             f"MooncakeConfig.protocol must be one of {sorted(_PROTOCOLS)}, got {value!r}"
