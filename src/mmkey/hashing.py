@@ -14,6 +14,7 @@ import struct
 import sys
 from typing import TYPE_CHECKING, Any
 
+from mmkey._tensors import plain_cpu
 from mmkey.digest import HashScheme, MMHash
 
 if TYPE_CHECKING:
@@ -39,24 +40,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """
     import torch
 
-    value: object = t
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"expected a torch.Tensor, got {type(value).__name__}; "
-            "use hash_bytes() for bytes-like data or torch.as_tensor(x) first"
-        )
-    if t.layout != torch.strided:
-        raise TypeError(f"cannot hash a {t.layout} tensor; call .to_dense() first")
-    if t.is_quantized:
-        raise TypeError("cannot hash a quantized tensor; call .dequantize() or .int_repr()")
-    flat = t.detach()
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    if flat.is_conj():
-        flat = flat.resolve_conj()
-    if flat.is_neg():
-        flat = flat.resolve_neg()
-    flat = flat.contiguous().reshape(-1)
+    flat = plain_cpu(
+        t,
+        "hash",
+        f"expected a torch.Tensor, got {type(t).__name__}; "
+        "use hash_bytes() for bytes-like data or torch.as_tensor(x) first",
+    )
+    flat = flat.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     array: Any = flat.numpy()  # shares the tensor's memory

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 
+from mmkey._tensors import plain_cpu
 from mmkey.errors import CorruptEntry, InvalidKey
 
 if TYPE_CHECKING:
@@ -190,32 +191,17 @@ def _key_bytes(key: str) -> bytes:
 
 def _plain_cpu(tensor: torch.Tensor, rt: _Runtime) -> tuple[torch.Tensor, int]:
     """`tensor` as a contiguous CPU tensor without conj/neg bits, and its dtype code."""
-    import torch
-
-    value: object = tensor
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"embeddings must be torch.Tensor, got {type(value).__name__}; "
-            "convert with torch.as_tensor(x)"
-        )
-    if tensor.layout != torch.strided:
-        raise TypeError(f"cannot store a {tensor.layout} tensor; call .to_dense() first")
-    code = rt.code_of.get(tensor.dtype)
+    t = plain_cpu(
+        tensor,
+        "store",
+        f"embeddings must be torch.Tensor, got {type(tensor).__name__}; "
+        "convert with torch.as_tensor(x)",
+    )
+    code = rt.code_of.get(t.dtype)
     if code is None:
-        raise TypeError(
-            f"cannot store dtype {tensor.dtype}; convert it first (quantized: .dequantize())"
-        )
-    if tensor.dim() > MAX_NDIM:
-        raise ValueError(f"cannot store a tensor with {tensor.dim()} dims (at most {MAX_NDIM})")
-    t = tensor.detach() if tensor.requires_grad else tensor
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
+        raise TypeError(f"cannot store dtype {t.dtype}; convert it to a standard dtype first")
+    if t.dim() > MAX_NDIM:
+        raise ValueError(f"cannot store a tensor with {t.dim()} dims (at most {MAX_NDIM})")
     return t, code
 
 
