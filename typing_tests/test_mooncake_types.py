@@ -11,11 +11,11 @@ from mmkey import (
     CacheStats,
     EmbeddingCache,
     EmbeddingKey,
+    MemoryCache,
     MMHash,
     MooncakeCache,
     MooncakeConfig,
     TieredCache,
-    MemoryCache,
 )
 
 
