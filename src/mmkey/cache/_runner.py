@@ -64,16 +64,30 @@ class DeadlineRunner:
         self._tasks.put((fn, future))  # type: ignore[arg-type]
         return future
 
-    def call(self, fn: Callable[[], T], deadline: float) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        deadline: float,
+        abandoned: Callable[[T], object] | None = None,
+    ) -> T:
         """Run `fn` on the worker and return its result, or raise `CallTimeout`.
 
         A call that times out before the worker started it is cancelled: it never runs.
+        One that times out while running hands its eventual result to `abandoned` (to
+        release what the result holds), since no caller will.
         """
         future = self.submit(fn)
         try:
             return future.result(timeout=deadline)
         except FutureTimeout:
-            future.cancel()
+            if not future.cancel() and abandoned is not None:
+                hand_over = abandoned
+
+                def release(done: Future[T]) -> None:
+                    if done.exception() is None:
+                        hand_over(done.result())
+
+                future.add_done_callback(release)
             raise CallTimeout(f"store call still running after {deadline:.3g} s") from None
 
     def stop(self) -> None:

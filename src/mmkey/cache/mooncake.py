@@ -14,6 +14,7 @@ by itself. Entries move through registered buffers (`batch_upsert_from`,
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 import time
@@ -122,6 +123,9 @@ class MooncakeCache:
         self._staging: memoryview | None = None  # registered, touched only on the worker
         self._staging_tensor: torch.Tensor | None = None
         self._staging_ptr = 0
+        self._staging_lease = threading.Lock()
+        """Held while the staging buffer is filled or read: by the worker while it writes,
+        and from a read's transfer until its caller has decoded the entries."""
         self._suspect = False  # a call failed: probe the master's port before the next one
         self._connect()
 
@@ -215,50 +219,77 @@ class MooncakeCache:
     # -- reads and writes: whole operations on the worker, through the staging buffer -----
 
     def _read(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        """Verified tensors of the keys found; runs entirely on the worker thread."""
+        """Verified tensors of the keys found.
 
-        def read(store: MooncakeDistributedStore) -> dict[str, torch.Tensor]:
-            staging = self._staging_on_worker(store)
-            found: dict[str, torch.Tensor] = {}
-            too_big: list[str] = []
-            per_call = max(1, staging.nbytes // self._slot)
-            for start in range(0, len(texts), per_call):
-                chunk = texts[start : start + per_call]
-                slot = staging.nbytes // len(chunk) // _ALIGN * _ALIGN
-                base = self._staging_ptr
-                codes = store.batch_get_into(chunk, [base + i * slot for i in range(len(chunk))], [slot] * len(chunk))
+        The worker only moves entries into the registered staging buffer; the caller's
+        thread decodes them from there (allocating where the caller's tensors live), holding
+        the staging lease so that no other transfer overwrites the buffer meanwhile.
+        """
+        found: dict[str, torch.Tensor] = {}
+        too_big: list[str] = []
+        start = 0
+        while start < len(texts):
+            chunk = texts[start : start + max(1, self._staging_bytes // self._slot)]
+            start += len(chunk)
+            slot = self._staging_bytes // len(chunk) // _ALIGN * _ALIGN
+            moved = self._call(
+                functools.partial(self._transfer_on_worker, chunk=chunk, slot=slot),
+                abandoned=lambda _: self._staging_lease.release(),
+            )
+            if moved is None:
+                return found
+            staging, codes = moved
+            try:
                 for i, (text, code) in enumerate(zip(chunk, codes)):
                     if code > 0:
                         self._decode_into(found, text, staging[i * slot : i * slot + code])
                     elif code == _BUFFER_TOO_SMALL:
                         too_big.append(text)
-                    elif code in _RPC_FAILURES:
-                        raise StoreError(f"batch_get_into: master unreachable ({code})")
-            for text in too_big:
-                self._read_large_on_worker(store, text, found)
-            return found
+            finally:
+                self._staging_lease.release()
+        if too_big:
+            found.update(self._call(lambda store: self._read_large_on_worker(store, too_big)) or {})
+        return found
 
-        return self._call(read) or {}
+    def _transfer_on_worker(
+        self, store: MooncakeDistributedStore, chunk: list[str], slot: int
+    ) -> tuple[memoryview, list[int]]:
+        """Entries of `chunk` into staging slots of `slot` bytes; returns with the lease held."""
+        staging = self._staging_on_worker(store)
+        self._staging_lease.acquire()
+        try:
+            base = self._staging_ptr
+            ptrs = [base + i * slot for i in range(len(chunk))]
+            codes = store.batch_get_into(chunk, ptrs, [slot] * len(chunk))
+            if not _RPC_FAILURES.isdisjoint(codes):
+                raise StoreError(f"batch_get_into: master unreachable ({codes})")
+        except BaseException:
+            self._staging_lease.release()
+            raise
+        return staging, codes
 
     def _read_large_on_worker(
-        self, store: MooncakeDistributedStore, text: str, found: dict[str, torch.Tensor]
-    ) -> None:
-        """An entry larger than a staging slot: read into a buffer of its exact size."""
+        self, store: MooncakeDistributedStore, texts: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Entries larger than a staging slot, each read into a buffer of its exact size."""
         import torch
 
-        size = store.get_size(text)
-        if size in _RPC_FAILURES:
-            raise StoreError(f"get_size: master unreachable ({size})")
-        if size <= 0:
-            return
-        self._slot = max(self._slot, min(_aligned(size), self._staging_bytes))
-        buf = torch.empty(size, dtype=torch.uint8)
-        with _registered(store, buf) as ptr:
-            got = store.get_into(text, ptr, size)
-        if got in _RPC_FAILURES:
-            raise StoreError(f"get_into: master unreachable ({got})")
-        if got == size:
-            self._decode_into(found, text, buf.numpy().data, copy=False)
+        found: dict[str, torch.Tensor] = {}
+        for text in texts:
+            size = store.get_size(text)
+            if size in _RPC_FAILURES:
+                raise StoreError(f"get_size: master unreachable ({size})")
+            if size <= 0:
+                continue
+            self._slot = max(self._slot, min(_aligned(size), self._staging_bytes))
+            buf = torch.empty(size, dtype=torch.uint8)
+            with _registered(store, buf) as ptr:
+                got = store.get_into(text, ptr, size)
+            if got in _RPC_FAILURES:
+                raise StoreError(f"get_into: master unreachable ({got})")
+            if got == size:
+                self._decode_into(found, text, buf.numpy().data, copy=False)
+        return found
 
     def _decode_into(
         self, found: dict[str, torch.Tensor], text: str, raw: memoryview, *, copy: bool = True
@@ -269,7 +300,7 @@ class MooncakeCache:
             self._counts.add(corrupt=1)
 
     def _write(self, texts: list[str], tensors: list[torch.Tensor]) -> dict[str, bool]:
-        """Upsert entries through the staging buffer; runs entirely on the worker thread."""
+        """Upsert entries through the staging buffer; runs on the worker thread."""
         sizes = [entry_size(text, t) for text, t in zip(texts, tensors)]
         # The worker reads the caller's tensors only while holding `reading`, and never
         # after the caller stopped waiting (`released`): a caller that timed out may reuse
@@ -285,6 +316,10 @@ class MooncakeCache:
 
         def write(store: MooncakeDistributedStore) -> dict[str, bool]:
             staging = self._staging_on_worker(store)
+            with self._staging_lease:
+                return fill_and_flush(store, staging)
+
+        def fill_and_flush(store: MooncakeDistributedStore, staging: memoryview) -> dict[str, bool]:
             stored: dict[str, bool] = {}
             batch: list[tuple[str, int, int]] = []  # key text, offset, size
             used = 0
@@ -360,7 +395,11 @@ class MooncakeCache:
         self._check_open()
         return key_texts(keys, method)
 
-    def _call(self, fn: Callable[[MooncakeDistributedStore], T]) -> T | None:
+    def _call(
+        self,
+        fn: Callable[[MooncakeDistributedStore], T],
+        abandoned: Callable[[T], object] | None = None,
+    ) -> T | None:
         """`fn(store)` on the worker within the deadline, or None after counting a failure."""
         if self._runner.is_stuck(self._config.deadline) or not self._breaker.allow():
             self._counts.add(errors=1)
@@ -381,7 +420,7 @@ class MooncakeCache:
             return fn(store)
 
         try:
-            result = self._runner.call(on_worker, self._config.deadline)
+            result = self._runner.call(on_worker, self._config.deadline, abandoned)
         except CallTimeout:
             self._fail()
             return None
@@ -429,9 +468,10 @@ class MooncakeCache:
         return True
 
     def _close_on_worker(self) -> None:
-        store, self._store = self._store, None
-        if store is not None:
-            if self._staging is not None:
-                store.unregister_buffer(self._staging_ptr)
-            store.close()
-        self._staging = self._staging_tensor = None
+        with self._staging_lease:  # a caller may still be decoding from the staging buffer
+            store, self._store = self._store, None
+            if store is not None:
+                if self._staging is not None:
+                    store.unregister_buffer(self._staging_ptr)
+                store.close()
+            self._staging = self._staging_tensor = None
