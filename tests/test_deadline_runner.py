@@ -108,3 +108,42 @@ def test_a_failed_trial_reopens_the_breaker() -> None:
     assert not breaker.allow()
     clock.now += 1.01
     assert breaker.allow()
+
+
+def test_the_result_of_an_abandoned_call_is_handed_over_for_release() -> None:
+    runner = DeadlineRunner("test")
+    release = threading.Event()
+    handed: list[str] = []
+    done = threading.Event()
+
+    def hand(result: str) -> None:
+        handed.append(result)
+        done.set()
+
+    with pytest.raises(CallTimeout):
+        runner.call(lambda: (release.wait(10), "lease")[1], deadline=0.05, abandoned=hand)
+    assert handed == []
+    release.set()
+    assert done.wait(5) and handed == ["lease"]
+    runner.stop()
+
+
+def test_abandoned_is_not_called_for_a_failed_or_a_cancelled_call() -> None:
+    runner = DeadlineRunner("test")
+    release = threading.Event()
+    handed: list[object] = []
+    ran: list[str] = []
+
+    def fail() -> str:
+        release.wait(10)
+        raise KeyError("store error")
+
+    with pytest.raises(CallTimeout):
+        runner.call(fail, deadline=0.05, abandoned=handed.append)
+    # queued behind the stuck call, this one times out before it starts: it is cancelled
+    with pytest.raises(CallTimeout):
+        runner.call(lambda: ran.append("ran"), deadline=0.05, abandoned=handed.append)
+    release.set()
+    assert runner.call(lambda: "next", deadline=5) == "next"
+    assert handed == [] and ran == []
+    runner.stop()
