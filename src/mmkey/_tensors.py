@@ -10,17 +10,17 @@ if TYPE_CHECKING:
 __all__ = ["plain_cpu"]
 
 
-def plain_cpu(value: object, action: str, not_a_tensor: str) -> torch.Tensor:
+def plain_cpu(value: object, action: str, expected: str, fix: str) -> torch.Tensor:
     """`value` as a contiguous CPU tensor without autograd, conj or neg bits.
 
-    Copies only when needed (device, strides, lazy conj/neg). Raises `TypeError` with
-    `not_a_tensor` for anything that is not a tensor, and naming the fix for sparse and
-    quantized tensors, which cannot be `action`-ed ("hash", "store") as raw bytes.
+    Copies only when needed (device, strides, lazy conj/neg). Raises `TypeError`
+    ("`expected`, got <type>; `fix`") for anything that is not a tensor, and naming the fix
+    for sparse and quantized tensors, which cannot be `action`-ed ("hash", "store") as bytes.
     """
     import torch
 
     if not isinstance(value, torch.Tensor):
-        raise TypeError(not_a_tensor)
+        raise TypeError(f"{expected}, got {type(value).__name__}; {fix}")
     if value.layout != torch.strided:
         raise TypeError(f"cannot {action} a {value.layout} tensor; call .to_dense() first")
     if value.is_quantized:

@@ -43,7 +43,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = plain_cpu(
         t,
         "hash",
-        f"expected a torch.Tensor, got {type(t).__name__}; "
+        "expected a torch.Tensor",
         "use hash_bytes() for bytes-like data or torch.as_tensor(x) first",
     )
     flat = flat.reshape(-1)

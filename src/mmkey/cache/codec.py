@@ -192,10 +192,7 @@ def _key_bytes(key: str) -> bytes:
 def _plain_cpu(tensor: torch.Tensor, rt: _Runtime) -> tuple[torch.Tensor, int]:
     """`tensor` as a contiguous CPU tensor without conj/neg bits, and its dtype code."""
     t = plain_cpu(
-        tensor,
-        "store",
-        f"embeddings must be torch.Tensor, got {type(tensor).__name__}; "
-        "convert with torch.as_tensor(x)",
+        tensor, "store", "embeddings must be torch.Tensor", "convert with torch.as_tensor(x)"
     )
     code = rt.code_of.get(t.dtype)
     if code is None:

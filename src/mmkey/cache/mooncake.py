@@ -121,7 +121,6 @@ class MooncakeCache:
         self._slot = _MIN_SLOT  # bytes a read reserves per key; grows to the largest entry seen
         self._staging_bytes = min(config.local_buffer_size, _MAX_STAGING)
         self._staging: memoryview | None = None  # registered, touched only on the worker
-        self._staging_tensor: torch.Tensor | None = None
         self._staging_ptr = 0
         self._staging_lease = threading.Lock()
         """Held while the staging buffer is filled or read: by the worker while it writes,
@@ -380,9 +379,8 @@ class MooncakeCache:
             buf = torch.empty(self._staging_bytes, dtype=torch.uint8)
             if store.register_buffer(buf.data_ptr(), buf.numel()) != 0:
                 raise StoreError("register_buffer of the staging buffer failed")
-            self._staging_tensor = buf
             self._staging_ptr = buf.data_ptr()
-            self._staging = buf.numpy().data
+            self._staging = buf.numpy().data  # keeps `buf` alive
         return self._staging
 
     # -- calls, deadlines, the breaker ----------------------------------------------------
@@ -474,4 +472,4 @@ class MooncakeCache:
                 if self._staging is not None:
                     store.unregister_buffer(self._staging_ptr)
                 store.close()
-            self._staging = self._staging_tensor = None
+            self._staging = None

@@ -151,17 +151,8 @@ _ENV_FIELDS = {
     "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
     "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
 }
-_FILE_FIELDS = frozenset(
-    {
-        "master_server_address",
-        "local_hostname",
-        "protocol",
-        "device_name",
-        "metadata_server",
-        "global_segment_size",
-        "local_buffer_size",
-    }
-)
+_FILE_FIELDS = frozenset(_ENV_FIELDS.values())
+"""A config file holds the same fields as the environment variables, by Mooncake's names."""
 
 
 def _read_config_file(path: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, TypeAlias, overload
 
 import torch
@@ -110,22 +110,43 @@ def _encode(
     plan = EncodePlan.build(
         feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme
     )
+    steps = _steps(plan, cached=cache is not None)
+    result: object = None
+    try:
+        while True:
+            operation, args = steps.send(result)
+            if operation == "encode":
+                result = encode(*args)
+            else:
+                result = _call(plan, operation, getattr(cache, operation), *args)
+    except StopIteration as done:
+        finished: EncodeResult = done.value
+        return finished
+
+
+def _steps(
+    plan: EncodePlan, *, cached: bool
+) -> Generator[tuple[str, tuple[Any, ...]], object, EncodeResult]:
+    """The encode path without I/O, shared by the sync and async drivers.
+
+    Yields ``(operation, args)``: a cache method name or ``"encode"``; the driver runs it
+    and sends back its result (`FAILED` for a cache call that raised).
+    """
     if not plan.unique_keys:
         return plan.result()
-    if cache is not None:
+    if cached:
         start = time.perf_counter()
-        exists = _call(plan, "batch_is_exist", cache.batch_is_exist, plan.lookup_keys())
-        wanted = plan.take_exists(exists)
+        wanted = plan.take_exists((yield "batch_is_exist", (plan.lookup_keys(),)))
         if wanted:
-            plan.take_embeddings(_call(plan, "get_embeddings", cache.get_embeddings, wanted))
+            plan.take_embeddings((yield "get_embeddings", (wanted,)))
         plan.lookup_seconds += time.perf_counter() - start
     if plan.collect_misses():
         start = time.perf_counter()
-        keys, embeddings = plan.take_encoded(encode(*plan.encode_inputs()))
+        keys, embeddings = plan.take_encoded((yield "encode", plan.encode_inputs()))
         plan.encode_seconds += time.perf_counter() - start
-        if cache is not None:
+        if cached:
             start = time.perf_counter()
-            plan.take_inserted(_call(plan, "insert_batch", cache.insert_batch, keys, embeddings))
+            plan.take_inserted((yield "insert_batch", (keys, embeddings)))
             plan.insert_seconds += time.perf_counter() - start
     return plan.result()
 
@@ -275,29 +296,20 @@ async def _aencode(
         )
     else:
         plan = build(feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme)
-    if not plan.unique_keys:
-        return plan.result()
-    if cache is not None:
-        start = time.perf_counter()
-        exists = await _acall(plan, "batch_is_exist", cache.batch_is_exist, plan.lookup_keys())
-        wanted = plan.take_exists(exists)
-        if wanted:
-            found = await _acall(plan, "get_embeddings", cache.get_embeddings, wanted)
-            plan.take_embeddings(found)
-        plan.lookup_seconds += time.perf_counter() - start
-    if plan.collect_misses():
-        start = time.perf_counter()
-        output = encode(*plan.encode_inputs())
-        if inspect.isawaitable(output):
-            output = await output
-        keys, embeddings = plan.take_encoded(output)
-        plan.encode_seconds += time.perf_counter() - start
-        if cache is not None:
-            start = time.perf_counter()
-            inserted = await _acall(plan, "insert_batch", cache.insert_batch, keys, embeddings)
-            plan.take_inserted(inserted)
-            plan.insert_seconds += time.perf_counter() - start
-    return plan.result()
+    steps = _steps(plan, cached=cache is not None)
+    result: object = None
+    try:
+        while True:
+            operation, args = steps.send(result)
+            if operation == "encode":
+                result = encode(*args)
+                if inspect.isawaitable(result):
+                    result = await result
+            else:
+                result = await _acall(plan, operation, getattr(cache, operation), *args)
+    except StopIteration as done:
+        finished: EncodeResult = done.value
+        return finished
 
 
 @overload
