@@ -1,13 +1,21 @@
-"""One normalisation of tensors for hashing and storing: a plain C-order CPU tensor."""
+"""Tensors read off the caller's thread: when they are ready, and one plain C-order CPU form.
+
+`host_ready` marks when a caller's (possibly CUDA, possibly in-flight) tensors may be read by
+another thread; `plain_cpu` is the one normalisation shared by hashing and storing.
+"""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import attrs
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["plain_cpu"]
+__all__ = ["HostReady", "host_ready", "plain_cpu"]
 
 
 def plain_cpu(value: object, action: str, expected: str, fix: str) -> torch.Tensor:
@@ -33,3 +41,49 @@ def plain_cpu(value: object, action: str, expected: str, fix: str) -> torch.Tens
     if t.is_neg():
         t = t.resolve_neg()
     return t if t.is_contiguous() else t.contiguous()
+
+
+@attrs.frozen(slots=True)
+class HostReady:
+    """The point, on the caller's CUDA streams, after which its tensors may be read elsewhere.
+
+    Made by `host_ready` on the thread that produced the tensors; `wait` is what another thread
+    calls before it reads them (for example to copy them to the CPU). Empty when every tensor
+    lives on the CPU: `wait` then returns at once.
+    """
+
+    events: tuple[torch.cuda.Event, ...] = ()
+
+    def wait(self) -> None:
+        """Block until the work queued on the recorded streams before `host_ready` has finished."""
+        for event in self.events:
+            event.synchronize()
+
+
+_NOTHING_QUEUED = HostReady()
+
+
+def host_ready(tensors: Sequence[object]) -> HostReady:
+    """Record, on the calling thread, when `tensors` are ready to be read from another thread.
+
+    The current CUDA stream is per thread: a tensor written under ``torch.cuda.stream(s)`` may
+    still be in flight when a worker thread (whose current stream differs) copies it. This
+    records a CUDA event on the caller's current stream of each CUDA device the tensors live on;
+    the worker calls `HostReady.wait` before reading. CPU tensors (and anything that is not a
+    tensor, left for the reader's own checks) need no event; CUDA is not initialised then.
+    """
+    if "torch" not in sys.modules:  # no tensor can exist before torch is imported
+        return _NOTHING_QUEUED
+    import torch
+
+    devices = sorted(
+        {v.get_device() for v in tensors if isinstance(v, torch.Tensor) and v.is_cuda}
+    )
+    if not devices:
+        return _NOTHING_QUEUED
+    events: list[torch.cuda.Event] = []
+    for index in devices:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves __new__ untyped
+        event.record(torch.cuda.current_stream(index))
+        events.append(event)
+    return HostReady(tuple(events))
