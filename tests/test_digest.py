@@ -10,16 +10,25 @@ from mmkey import HashScheme, InvalidDigest, InvalidKey, MMHash, Modality, mm_ha
 
 
 def test_enum_values_are_the_key_text() -> None:
-    assert [s.value for s in HashScheme] == ["blake3", "xxh3", "sglang"]
+    assert [s.value for s in HashScheme] == ["blake3", "xxh3", "sglang", "id"]
     assert [m.value for m in Modality] == ["image", "video", "audio"]
 
 
 @pytest.mark.parametrize(
     ("scheme", "bits", "width"),
-    [(HashScheme.BLAKE3, 128, 32), (HashScheme.XXH3, 128, 32), (HashScheme.SGLANG, 64, 16)],
+    [
+        (HashScheme.BLAKE3, 128, 32),
+        (HashScheme.XXH3, 128, 32),
+        (HashScheme.SGLANG, 64, 16),
+        (HashScheme.ID, 128, 32),
+    ],
 )
 def test_scheme_widths(scheme: HashScheme, bits: int, width: int) -> None:
     assert (scheme.bits, scheme.hex_width) == (bits, width)
+
+
+def test_only_the_id_scheme_names_identifiers() -> None:
+    assert [s for s in HashScheme if not s.hashes_content] == [HashScheme.ID]
 
 
 @given(st.integers(0, 2**128 - 1))

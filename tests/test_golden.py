@@ -11,7 +11,17 @@ import hashlib
 import pytest
 import torch
 
-from mmkey import EmbeddingKey, HashScheme, Modality, hash_bytes, hash_tensor, mm_hash
+import blake3
+
+from mmkey import (
+    EmbeddingKey,
+    HashScheme,
+    Modality,
+    hash_bytes,
+    hash_tensor,
+    identifier_digest,
+    mm_hash,
+)
 
 
 def fixed_tensors() -> dict[str, torch.Tensor]:
@@ -54,6 +64,25 @@ def test_sglang_vectors_agree_with_independent_sha256(name: str) -> None:
     assert GOLDEN_DIGESTS[name][2] == hashlib.sha256(raw).hexdigest()[:16]
 
 
+GOLDEN_IDENTIFIERS = {
+    "0": "1a8bc4298a81cd17021f1b3a47192dc5",
+    "18446744073709551616": "20aa0a7f29f60bea1fa386fed4d30825",
+    "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08": "68dee96048c968e4ea6544a657440396",
+    "\u00e4": "61710c87d2568c2485ab6b2f61476fb3",
+}
+
+
+@pytest.mark.parametrize("identifier", sorted(GOLDEN_IDENTIFIERS))
+def test_identifier_digests_never_change(identifier: str) -> None:
+    assert f"{identifier_digest(identifier):032x}" == GOLDEN_IDENTIFIERS[identifier]
+
+
+@pytest.mark.parametrize("identifier", sorted(GOLDEN_IDENTIFIERS))
+def test_identifier_vectors_agree_with_independent_blake3(identifier: str) -> None:
+    expected = blake3.blake3(b"mmkey/id/v1\x00" + identifier.encode()).hexdigest(16)
+    assert GOLDEN_IDENTIFIERS[identifier] == expected
+
+
 GOLDEN_KEYS = [
     (("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, 0x601B89200E4FFA2F71483ACFB804C0DD),
      "mmk1@qwen2-vl-7b@image@blake3@601b89200e4ffa2f71483acfb804c0dd"),
@@ -69,6 +98,8 @@ GOLDEN_KEYS = [
      "mmk1@%25@video@sglang@0000000000000001"),
     (("\U0001f642", Modality.IMAGE, HashScheme.XXH3, 0xABC),
      "mmk1@%F0%9F%99%82@image@xxh3@00000000000000000000000000000abc"),
+    (("qwen2-vl-7b", Modality.VIDEO, HashScheme.ID, 0x1A8BC4298A81CD17021F1B3A47192DC5),
+     "mmk1@qwen2-vl-7b@video@id@1a8bc4298a81cd17021f1b3a47192dc5"),
 ]
 
 

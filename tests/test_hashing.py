@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 
 import blake3
 import numpy as np
 import pytest
 import torch
 import xxhash
-from hypothesis import given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from mmkey import HashScheme, hash_bytes, hash_tensor
+from mmkey import HashScheme, InvalidKey, hash_bytes, hash_tensor, identifier_digest
 from mmkey.hashing import tensor_bytes
 from mmkey.testing.strategies import feature_tensors
 
-ALL_SCHEMES = list(HashScheme)
+ALL_SCHEMES = [s for s in HashScheme if s.hashes_content]
 FRAMED = [HashScheme.BLAKE3, HashScheme.XXH3]
 
 
@@ -172,3 +173,37 @@ def test_cuda_tensors_hash_like_cpu_tensors(scheme: HashScheme) -> None:  # prag
     t = torch.randn(256, 1176).bfloat16()
     assert hash_tensor(t.cuda(), scheme) == hash_tensor(t, scheme)
     assert hash_tensor(t.cuda().T, scheme) == hash_tensor(t.T, scheme)
+
+
+@given(st.text(min_size=1), st.text(min_size=1))
+@example("1", "01")
+@example("a", "a\x00")
+def test_identifier_digests_differ_for_different_text(a: str, b: str) -> None:
+    assume(a != b)
+    try:
+        da, db = identifier_digest(a), identifier_digest(b)
+    except InvalidKey:  # lone surrogates
+        return
+    assert da != db
+    assert identifier_digest(a) == da
+
+
+def test_identifier_digest_is_not_a_content_digest() -> None:
+    assert identifier_digest("abc") != hash_bytes(b"abc", HashScheme.BLAKE3)
+
+
+def test_identifier_digest_refuses_bad_input() -> None:
+    with pytest.raises(TypeError, match="decode bytes first"):
+        identifier_digest(b"abc")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"str\(x\)"):
+        identifier_digest(123)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKey, match="empty"):
+        identifier_digest("")
+    with pytest.raises(InvalidKey, match="surrogates"):
+        identifier_digest("\ud800")
+
+
+@pytest.mark.parametrize("fn", [lambda s: hash_bytes(b"x", s), lambda s: hash_tensor(torch.zeros(2), s)])
+def test_content_hashing_refuses_the_id_scheme(fn: Callable[[HashScheme], object]) -> None:
+    with pytest.raises(ValueError, match="identifier_digest"):
+        fn(HashScheme.ID)

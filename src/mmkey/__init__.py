@@ -22,7 +22,7 @@ from mmkey.errors import (
     StoreClosed,
     StoreError,
 )
-from mmkey.hashing import hash_bytes, hash_tensor
+from mmkey.hashing import hash_bytes, hash_tensor, identifier_digest
 from mmkey.keys import CacheKey, EmbeddingKey
 
 __version__ = "0.1.0.dev0"
@@ -49,5 +49,6 @@ __all__ = [
     "TieredCache",
     "hash_bytes",
     "hash_tensor",
+    "identifier_digest",
     "mm_hash",
 ]

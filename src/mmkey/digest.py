@@ -24,11 +24,19 @@ class HashScheme(enum.Enum):
     """128-bit XXH3 over dtype, shape and bytes: fastest, for trusted input only."""
     SGLANG = "sglang"
     """64-bit: SGLang's CPU ``tensor_hash`` bit for bit, to migrate a fleet without a cold cache."""
+    ID = "id"
+    """128-bit BLAKE3 of a serving stack's opaque identifier text (e.g. vLLM's ``mm_hash``),
+    made by `mmkey.identifier_digest`; it names content the stack hashed, never a tensor."""
 
     @property
     def bits(self) -> int:
         """Width of this scheme's digests in bits."""
         return 64 if self is HashScheme.SGLANG else 128
+
+    @property
+    def hashes_content(self) -> bool:
+        """Whether `hash_tensor` / `hash_bytes` compute digests of this scheme (all but ID)."""
+        return self is not HashScheme.ID
 
     @property
     def hex_width(self) -> int:

@@ -16,15 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 from mmkey._tensors import plain_cpu
 from mmkey.digest import HashScheme, MMHash
+from mmkey.errors import InvalidKey
 
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer
 
-__all__ = ["hash_bytes", "hash_tensor", "tensor_bytes"]
+__all__ = ["hash_bytes", "hash_tensor", "identifier_digest", "tensor_bytes"]
 
 _TENSOR_DOMAIN = b"mmkey/tensor/v1\x00"
 _BYTES_DOMAIN = b"mmkey/bytes/v1\x00"
+_ID_DOMAIN = b"mmkey/id/v1\x00"
 _BLAKE3_PARALLEL_FROM = 1 << 20
 """Inputs at least this large are hashed by BLAKE3 on all cores."""
 
@@ -68,6 +70,7 @@ def _frame(t: torch.Tensor, nbytes: int) -> bytes:
 
 def hash_tensor(t: torch.Tensor, scheme: HashScheme = HashScheme.BLAKE3) -> MMHash:
     """The digest of a tensor's dtype, shape and C-order bytes under `scheme`."""
+    _check_scheme(scheme)
     data = tensor_bytes(t)
     if scheme is HashScheme.SGLANG:
         return _sglang(data)
@@ -77,7 +80,7 @@ def hash_tensor(t: torch.Tensor, scheme: HashScheme = HashScheme.BLAKE3) -> MMHa
 def hash_bytes(data: Buffer, scheme: HashScheme = HashScheme.BLAKE3) -> MMHash:
     """The digest of bytes-like `data` under `scheme` (for SGLANG, of the raw bytes)."""
     view = _as_bytes(data)
-    if scheme is HashScheme.SGLANG:
+    if _check_scheme(scheme) is HashScheme.SGLANG:
         return _sglang(view)
     return _digest((_BYTES_DOMAIN + struct.pack("<Q", view.nbytes), view), scheme)
 
@@ -100,15 +103,46 @@ def _as_bytes(data: object) -> memoryview:
     return memoryview(view.tobytes())
 
 
+def identifier_digest(identifier: str) -> MMHash:
+    """The `HashScheme.ID` digest of a serving stack's opaque identifier text.
+
+    BLAKE3-128 over a domain tag and the identifier's UTF-8 bytes: distinct texts give
+    distinct digests (to BLAKE3's collision resistance), the same text the same digest
+    in every process. Raises `TypeError` for non-text and `InvalidKey` for empty text
+    or text with lone surrogates.
+    """
+    value: object = identifier
+    if not isinstance(value, str):
+        fix = "decode bytes first, e.g. b.decode()" if isinstance(value, bytes) else "pass str(x)"
+        raise TypeError(f"identifier_digest() takes text, got {type(value).__name__}; {fix}")
+    if not identifier:
+        raise InvalidKey("an identifier must not be empty; pass the stack's own id text")
+    try:
+        raw = identifier.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKey(
+            f"identifier {identifier!r} is not valid Unicode text ({exc.reason}); "
+            "remove lone surrogates, e.g. decode the source bytes with errors='replace'"
+        ) from None
+    import blake3
+
+    return MMHash(int.from_bytes(blake3.blake3(_ID_DOMAIN + raw).digest(16), "big"))
+
+
 def _check_scheme(scheme: object) -> HashScheme:
     if not isinstance(scheme, HashScheme):
         raise TypeError(f"scheme must be a HashScheme member, got {scheme!r}")
+    if not scheme.hashes_content:
+        raise ValueError(
+            f"{scheme} digests identifier text, not content; use identifier_digest(text), "
+            "or a content scheme (BLAKE3, XXH3, SGLANG) to hash tensors and bytes"
+        )
     return scheme
 
 
 def _digest(parts: tuple[bytes, memoryview], scheme: HashScheme) -> MMHash:
     header, data = parts
-    if _check_scheme(scheme) is HashScheme.XXH3:
+    if scheme is HashScheme.XXH3:
         import xxhash
 
         x = xxhash.xxh3_128(header)

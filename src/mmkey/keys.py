@@ -36,7 +36,7 @@ _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 _BYTE_TEXT = tuple(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in range(256))
 _KEY_ALPHABET = re.compile(r"[A-Za-z0-9._~%@-]+", re.ASCII)
 _KEY_V1 = re.compile(
-    r"mmk1@((?:[A-Za-z0-9._~-]|%[0-9A-F]{2})+)@(image|video|audio)@(blake3|xxh3|sglang)@([0-9a-f]+)",
+    r"mmk1@((?:[A-Za-z0-9._~-]|%[0-9A-F]{2})+)@(image|video|audio)@(blake3|xxh3|sglang|id)@([0-9a-f]+)",
     re.ASCII,
 )
 _MODALITIES = {m.value: m for m in Modality}

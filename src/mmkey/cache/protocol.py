@@ -31,6 +31,12 @@ class CacheStats:
     """Entries that failed verification on read (served as misses)."""
     errors: int = 0
     """Store calls that failed or timed out (served as misses or failed inserts)."""
+    forged: int = 0
+    """Entries whose authentication failed on read (served as misses, counted apart from
+    `corrupt`): written without the fleet's secret, or altered after it was written."""
+    skipped: int = 0
+    """Calls answered without asking the store (served as misses or failed inserts): the
+    store was known to be down, or every copy of an entry sat on a failed holder."""
     bytes_held: int = 0
     """Encoded bytes held by this cache (0 where the store holds them elsewhere)."""
     entries: int = 0

@@ -143,6 +143,8 @@ class TieredCache:
                 evictions=s1.evictions + s2.evictions,
                 corrupt=s1.corrupt + s2.corrupt,
                 errors=self._errors + s1.errors + s2.errors,
+                forged=s1.forged + s2.forged,
+                skipped=s1.skipped + s2.skipped,
                 bytes_held=s1.bytes_held + s2.bytes_held,
                 entries=s1.entries + s2.entries,
             )

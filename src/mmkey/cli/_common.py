@@ -13,7 +13,7 @@ __all__ = ["BAD_INPUT", "fail", "modality_option_type", "scheme_option_type", "w
 BAD_INPUT = 2
 """Exit status for input that mmkey refuses (a bad key, an unreadable file)."""
 
-scheme_option_type = click.Choice([s.value for s in HashScheme])
+scheme_option_type = click.Choice([s.value for s in HashScheme if s.hashes_content])
 modality_option_type = click.Choice([m.value for m in Modality])
 
 
