@@ -35,9 +35,9 @@ def implementations_are_embedding_caches() -> None:
 
 
 def a_sync_cache_is_not_an_async_one_nor_the_reverse(cache: MemoryCache) -> None:
-    wrong: AsyncEmbeddingCache = cache  # type: ignore[assignment]
-    also_wrong: EmbeddingCache = AsyncCache(cache)  # type: ignore[assignment]
-    TieredCache(AsyncCache(cache), cache)  # type: ignore[arg-type]
+    wrong: AsyncEmbeddingCache = cache  # type: ignore[assignment]  # pyright: ignore[reportAssignmentType]
+    also_wrong: EmbeddingCache = AsyncCache(cache)  # type: ignore[assignment]  # pyright: ignore[reportAssignmentType]
+    TieredCache(AsyncCache(cache), cache)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     del wrong, also_wrong
 
 
@@ -78,28 +78,28 @@ async def async_return_types(cache: AsyncCache, key: EmbeddingKey) -> None:
 
 def keys_must_be_cache_keys(cache: MemoryCache, tiered: TieredCache, t: torch.Tensor) -> None:
     digest = mm_hash(7)
-    cache.get_embeddings([7])  # type: ignore[list-item]
-    cache.get_embeddings([digest])  # type: ignore[list-item]
-    cache.get_embeddings(["mmk1@vit@image@blake3@" + "0" * 32])  # type: ignore[list-item]
-    cache.batch_is_exist([str(digest)])  # type: ignore[list-item]
-    cache.prefetch([b"key"])  # type: ignore[list-item]
-    cache.insert_batch([digest], [t])  # type: ignore[list-item]
-    tiered.get_embeddings([digest])  # type: ignore[list-item]
-    tiered.insert_batch(["k"], [t])  # type: ignore[list-item]
+    cache.get_embeddings([7])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    cache.get_embeddings([digest])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    cache.get_embeddings(["mmk1@vit@image@blake3@" + "0" * 32])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    cache.batch_is_exist([str(digest)])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    cache.prefetch([b"key"])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    cache.insert_batch([digest], [t])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    tiered.get_embeddings([digest])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    tiered.insert_batch(["k"], [t])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
 
 
 async def async_keys_must_be_cache_keys(cache: AsyncCache, t: torch.Tensor) -> None:
-    await cache.get_embeddings([mm_hash(7)])  # type: ignore[list-item]
-    await cache.insert_batch(["k"], [t])  # type: ignore[list-item]
-    await cache.batch_is_exist([1, 2])  # type: ignore[list-item]
+    await cache.get_embeddings([mm_hash(7)])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    await cache.insert_batch(["k"], [t])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    await cache.batch_is_exist([1, 2])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
 
 
 def embeddings_must_be_tensors(cache: MemoryCache, key: EmbeddingKey) -> None:
-    cache.insert_batch([key], [[1.0, 2.0]])  # type: ignore[list-item]
-    cache.insert_batch([key], torch.zeros(1, 4))  # type: ignore[arg-type]
+    cache.insert_batch([key], [[1.0, 2.0]])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    cache.insert_batch([key], torch.zeros(1, 4))  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 
 
 def codec_keys_are_key_text(t: torch.Tensor, key: EmbeddingKey) -> None:
-    encode_entry(key, t)  # type: ignore[arg-type]
-    decode_entry(mm_hash(1), b"")  # type: ignore[arg-type]
-    decode_entry("k", "text is not bytes")  # type: ignore[arg-type]
+    encode_entry(key, t)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    decode_entry(mm_hash(1), b"")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    decode_entry("k", "text is not bytes")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]

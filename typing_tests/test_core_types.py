@@ -1,4 +1,4 @@
-"""Digests, schemes and keys: the seed bug and its cousins are mypy errors."""
+"""Digests, schemes and keys: the seed bug and its cousins are type errors for mypy and pyright."""
 
 from __future__ import annotations
 
@@ -48,34 +48,34 @@ def keys_are_cache_keys(key: EmbeddingKey) -> None:
 def the_seed_bug(cache: EmbeddingCache, t: torch.Tensor) -> None:
     hashes = [hash_tensor(t)]
     # digests handed to a cache keyed by CacheKey
-    cache.batch_is_exist(hashes)  # type: ignore[arg-type]
+    cache.batch_is_exist(hashes)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     # the one-line "fix" of the original bug: strings are not keys either
-    cache.batch_is_exist([str(h) for h in hashes])  # type: ignore[misc]
-    cache.get_embeddings(hashes)  # type: ignore[arg-type]
-    cache.insert_batch([str(hashes[0])], [t])  # type: ignore[list-item]
+    cache.batch_is_exist([str(h) for h in hashes])  # type: ignore[misc]  # pyright: ignore[reportArgumentType]
+    cache.get_embeddings(hashes)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    cache.insert_batch([str(hashes[0])], [t])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
     # a single key string passed as the whole batch
-    cache.batch_is_exist("mmk1@ns@image@blake3@00")  # type: ignore[arg-type]
+    cache.batch_is_exist("mmk1@ns@image@blake3@00")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 
 
 def digests_are_not_plain_ints_or_text(h: MMHash, n: int) -> None:
-    EmbeddingKey("ns", Modality.IMAGE, HashScheme.BLAKE3, n)  # type: ignore[arg-type]
+    EmbeddingKey("ns", Modality.IMAGE, HashScheme.BLAKE3, n)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     EmbeddingKey("ns", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(n))
-    text: str = h  # type: ignore[assignment]
-    h.upper()  # type: ignore[attr-defined]
-    "emb_" + h  # type: ignore[operator]
+    text: str = h  # type: ignore[assignment]  # pyright: ignore[reportAssignmentType]
+    h.upper()  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType]
+    "emb_" + h  # type: ignore[operator]  # pyright: ignore[reportOperatorIssue, reportUnusedExpression]
     del text
 
 
 def parts_have_their_own_types(h: MMHash) -> None:
-    EmbeddingKey("ns", "image", HashScheme.BLAKE3, h)  # type: ignore[arg-type]
-    EmbeddingKey("ns", Modality.IMAGE, "blake3", h)  # type: ignore[arg-type]
-    EmbeddingKey(b"ns", Modality.IMAGE, HashScheme.BLAKE3, h)  # type: ignore[arg-type]
-    EmbeddingKey.from_key(b"mmk1")  # type: ignore[arg-type]
-    hash_tensor([1.0, 2.0])  # type: ignore[arg-type]
-    hash_bytes("text")  # type: ignore[arg-type]
-    hash_tensor(torch.zeros(1), "blake3")  # type: ignore[arg-type]
-    mm_hash("5")  # type: ignore[arg-type]
+    EmbeddingKey("ns", "image", HashScheme.BLAKE3, h)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    EmbeddingKey("ns", Modality.IMAGE, "blake3", h)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    EmbeddingKey(b"ns", Modality.IMAGE, HashScheme.BLAKE3, h)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    EmbeddingKey.from_key(b"mmk1")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    hash_tensor([1.0, 2.0])  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    hash_bytes("text")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    hash_tensor(torch.zeros(1), "blake3")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    mm_hash("5")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 
 
 def keys_are_immutable(key: EmbeddingKey) -> None:
-    key.digest = mm_hash(1)  # type: ignore[misc]
+    key.digest = mm_hash(1)  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]

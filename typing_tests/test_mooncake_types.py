@@ -1,4 +1,4 @@
-"""The Mooncake adapter and the stubbed binding, as mypy sees them."""
+"""The Mooncake adapter and the stubbed binding, as mypy and pyright see them."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ def adapter_types(config: MooncakeConfig, key: EmbeddingKey, t: torch.Tensor, h:
     assert_type(config.setup_args(), tuple[str, str, int, int, str, str, str])
     with MooncakeCache(config) as scoped:
         assert_type(scoped, MooncakeCache)
-    cache.batch_is_exist([h])  # type: ignore[list-item]
-    cache.get_embeddings([key.to_key()])  # type: ignore[list-item]
-    cache.insert_batch([key], [t.numpy()])  # type: ignore[list-item]
-    MooncakeCache("127.0.0.1:50051")  # type: ignore[arg-type]
-    MooncakeConfig("127.0.0.1:50051")  # type: ignore[call-arg]
-    config.deadline = 1.0  # type: ignore[misc]
+    cache.batch_is_exist([h])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    cache.get_embeddings([key.to_key()])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    cache.insert_batch([key], [t.numpy()])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+    MooncakeCache("127.0.0.1:50051")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    MooncakeConfig("127.0.0.1:50051")  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
+    config.deadline = 1.0  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
     del as_protocol
 
 
@@ -52,7 +52,7 @@ def binding_types(store: MooncakeDistributedStore) -> None:
     assert_type(store.batch_get_into(["k"], [0], [1]), list[int])
     assert_type(store.batch_upsert_from(["k"], [0], [1]), list[int])
     store.put("k", b"v", ReplicateConfig())
-    store.get(key="k")  # type: ignore[call-arg]
-    store.put(5, b"v")  # type: ignore[arg-type]
-    store.batch_is_exist("k")  # type: ignore[arg-type]
-    store.put("k", "text")  # type: ignore[arg-type]
+    store.get(key="k")  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
+    store.put(5, b"v")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    store.batch_is_exist("k")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    store.put("k", "text")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
