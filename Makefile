@@ -7,7 +7,10 @@ BIN := $(VENV)/bin
 # the CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test typecheck stubtest pytest bench clean
+# pyright-python's own check for a newer pyright release (a request per run): off
+export PYRIGHT_PYTHON_IGNORE_WARNINGS := 1
+
+.PHONY: demo test typecheck mypy pyright stubtest pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +29,14 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(BIN)/mmkey demo
 
-typecheck: $(VENV)/.dev
+typecheck: mypy pyright
+
+mypy: $(VENV)/.dev
 	$(BIN)/mypy
+
+# typing_tests/ under pyright --strict (pyrightconfig.json)
+pyright: $(VENV)/.dev
+	$(BIN)/pyright --pythonpath $(BIN)/python
 
 stubtest: $(VENV)/.dev
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash stubs/run_stubtest.sh
