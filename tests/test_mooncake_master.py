@@ -277,7 +277,7 @@ def test_retries_when_a_port_is_taken(
         squatter.listen()
         taken = squatter.getsockname()[1]
         picks = [(taken, real()[1])]
-        monkeypatch.setattr(mm, "_two_free_ports", lambda: picks.pop() if picks else real())
+        monkeypatch.setattr(mm, "_two_free_ports", lambda host: picks.pop() if picks else real(host))
         with running_master() as m:
             assert m.rpc_port != taken
             assert m.is_ready()

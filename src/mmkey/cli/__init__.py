@@ -1,4 +1,4 @@
-"""The ``mmkey`` command: ``demo``, ``key``, ``hash`` and ``bench``.
+"""The ``mmkey`` command: ``demo``, ``key``, ``hash``, ``bench`` and ``holder``.
 
 Every command loads torch only when it needs it, so ``mmkey key`` answers at once.
 Bad input (a key that does not parse, a file that cannot be read) is one line on
@@ -12,6 +12,7 @@ import click
 from mmkey.cli.bench import bench
 from mmkey.cli.demo import demo
 from mmkey.cli.hashfiles import hash_files
+from mmkey.cli.holder import holder
 from mmkey.cli.keys import key
 
 __all__ = ["cli", "main"]
@@ -27,6 +28,7 @@ cli.add_command(demo)
 cli.add_command(key)
 cli.add_command(hash_files)
 cli.add_command(bench)
+cli.add_command(holder)
 
 
 def main() -> None:

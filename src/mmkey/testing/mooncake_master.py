@@ -100,25 +100,25 @@ def master_available() -> bool:
     return master_unavailable_reason() is None
 
 
-def _free_port() -> int:
+def _free_port(host: str = HOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
+        sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def _two_free_ports() -> tuple[int, int]:
-    first = _free_port()
-    second = _free_port()
+def _two_free_ports(host: str = HOST) -> tuple[int, int]:
+    first = _free_port(host)
+    second = _free_port(host)
     while second == first:
-        second = _free_port()
+        second = _free_port(host)
     return first, second
 
 
-def _health(metrics_port: int, timeout: float) -> dict[str, object] | None:
+def _health(metrics_port: int, timeout: float, host: str = HOST) -> dict[str, object] | None:
     """The master's ``/health`` document, or ``None`` when it does not answer in time."""
     try:
-        with _HTTP.open(f"http://{HOST}:{metrics_port}/health", timeout=timeout) as response:
+        with _HTTP.open(f"http://{host}:{metrics_port}/health", timeout=timeout) as response:
             body = response.read(65536)
     except (OSError, http.client.HTTPException, ValueError):
         return None
@@ -191,13 +191,14 @@ class MasterProcess:
     """A mutable handle on one local master; ``restart()`` keeps its ports and address.
 
     Create it with `running_master`. ``pid`` is the current process (it changes on restart);
-    ``rpc_port``, ``metrics_port`` and ``address`` never change.
+    ``host``, ``rpc_port``, ``metrics_port`` and ``address`` never change.
     """
 
     def __init__(
         self,
         *,
         binary: str,
+        host: str = HOST,
         rpc_port: int,
         metrics_port: int,
         workdir: Path,
@@ -205,6 +206,7 @@ class MasterProcess:
         timeout: float = 15.0,
     ) -> None:
         self._binary = binary
+        self._host = host
         self._rpc_port = rpc_port
         self._metrics_port = metrics_port
         self._workdir = workdir
@@ -234,18 +236,18 @@ class MasterProcess:
 
     @property
     def host(self) -> str:
-        """Always ``"127.0.0.1"``."""
-        return HOST
+        """The address the master listens on (``"127.0.0.1"`` unless chosen otherwise)."""
+        return self._host
 
     @property
     def address(self) -> str:
-        """``"127.0.0.1:RPC_PORT"``, what a store's ``master_server_addr`` takes."""
-        return f"{HOST}:{self._rpc_port}"
+        """``"HOST:RPC_PORT"``, what a store's ``master_server_addr`` takes."""
+        return f"{self._host}:{self._rpc_port}"
 
     @property
     def health_url(self) -> str:
         """URL of the master's ``/health`` document."""
-        return f"http://{HOST}:{self._metrics_port}/health"
+        return f"http://{self._host}:{self._metrics_port}/health"
 
     @property
     def log_path(self) -> Path:
@@ -257,9 +259,9 @@ class MasterProcess:
         """The command line each start runs."""
         return [
             self._binary,
-            f"--rpc_address={HOST}",
+            f"--rpc_address={self._host}",
             f"--rpc_port={self._rpc_port}",
-            f"--metrics_host={HOST}",
+            f"--metrics_host={self._host}",
             f"--metrics_port={self._metrics_port}",
             "--enable_metric_reporting=false",
             "--logtostderr=true",
@@ -283,7 +285,7 @@ class MasterProcess:
 
     def health(self, timeout: float = 0.5) -> dict[str, object] | None:
         """The ``/health`` document, or ``None`` if the master does not answer within ``timeout``."""
-        return _health(self._metrics_port, timeout)
+        return _health(self._metrics_port, timeout, self._host)
 
     def is_ready(self, timeout: float = 0.5) -> bool:
         """RPC port accepts TCP and ``/health`` says ``service_ready``, both from this process."""
@@ -291,9 +293,9 @@ class MasterProcess:
         if proc is None or proc.poll() is not None:
             return False
         pid = proc.pid
-        if not port_accepts(HOST, self._rpc_port, timeout):
+        if not port_accepts(self._host, self._rpc_port, timeout):
             return False
-        doc = _health(self._metrics_port, timeout)
+        doc = _health(self._metrics_port, timeout, self._host)
         if doc is None or doc.get("service_ready") is not True:
             return False
         return _owns_listener(pid, self._rpc_port) and _owns_listener(pid, self._metrics_port)
@@ -418,11 +420,13 @@ class MasterProcess:
 
 @contextlib.contextmanager
 def running_master(
-    *, timeout: float = 15.0, extra_args: Sequence[str] = ()
+    *, timeout: float = 15.0, extra_args: Sequence[str] = (), host: str = HOST
 ) -> Iterator[MasterProcess]:
     """Run a local master on free loopback ports for the duration of the ``with`` block.
 
-    ``extra_args`` are appended to the command line (a later gflag wins). Raises
+    ``extra_args`` are appended to the command line (a later gflag wins). ``host`` is the
+    local address it listens on: loopback unless a test network of its own needs another
+    (`mmkey.testing.fleet` binds its bridge's address). Raises
     `MasterStartError` when it cannot start, and ``FileNotFoundError`` without a binary.
     """
     binary = find_master_binary()
@@ -432,9 +436,10 @@ def running_master(
     handle: MasterProcess | None = None
     try:
         for attempt in range(1, _PORT_ATTEMPTS + 1):
-            rpc_port, metrics_port = _two_free_ports()
+            rpc_port, metrics_port = _two_free_ports(host)
             handle = MasterProcess(
                 binary=binary,
+                host=host,
                 rpc_port=rpc_port,
                 metrics_port=metrics_port,
                 workdir=workdir,

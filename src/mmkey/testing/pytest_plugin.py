@@ -1,7 +1,9 @@
-"""pytest plugin of mmkey: fixtures that run a real local Mooncake master.
+"""pytest plugin of mmkey: fixtures that run a real local Mooncake master (and fleet).
 
 ``mooncake_master`` gives each test a fresh master (pause, kill and restart it freely);
-``mooncake_master_session`` shares one for the whole session (leave it running). Both skip
+``mooncake_master_session`` shares one for the whole session (leave it running);
+``mooncake_fleet`` runs a master with two segment-holder processes and
+``mooncake_fleet_netns`` puts each holder in a network namespace of its own. All skip
 the test, naming what to install, when the binding or the binary is missing; set
 ``MMKEY_REQUIRE_MOONCAKE=1`` to fail instead (for CI jobs that must run them).
 Registered through the ``pytest11`` entry point; importing it loads neither mooncake nor
@@ -17,9 +19,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from mmkey.testing.fleet import Fleet
     from mmkey.testing.mooncake_master import MasterProcess
 
-__all__ = ["mooncake_master", "mooncake_master_session"]
+__all__ = ["mooncake_fleet", "mooncake_fleet_netns", "mooncake_master", "mooncake_master_session"]
 
 REQUIRE_ENV = "MMKEY_REQUIRE_MOONCAKE"
 
@@ -60,3 +63,41 @@ def mooncake_master_session() -> Iterator[MasterProcess]:
 
     with running_master() as master:
         yield master
+
+
+def _require_fleet() -> None:
+    from mmkey.testing.fleet import fleet_unavailable_reason
+
+    reason = fleet_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+        pytest.fail(f"{REQUIRE_ENV} is set but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def mooncake_fleet() -> Iterator[Fleet]:
+    """A fresh master with two segment-holder processes on loopback, for one test.
+
+    Pause, kill and restart holders freely; everything is stopped afterwards.
+    """
+    _require_fleet()
+    from mmkey.testing.fleet import running_fleet
+
+    with running_fleet(2) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+def mooncake_fleet_netns() -> Iterator[Fleet]:
+    """Like ``mooncake_fleet``, with each holder in a network namespace of its own, so that
+    partitions and shaping work; skips with the reason where namespaces are unavailable."""
+    _require_fleet()
+    from mmkey.testing.fleet import netns_unavailable_reason, running_fleet
+
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with running_fleet(2, netns=True) as fleet:
+        yield fleet

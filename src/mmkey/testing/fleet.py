@@ -1,0 +1,702 @@
+"""A local Mooncake fleet for tests: one master plus N segment-holder processes, with faults.
+
+``running_fleet(holders=2)`` starts a `mooncake_master` and N holders (Mooncake's standalone
+``mooncake_client``, see `mmkey.holder`) on free ports, waits until the master lists every
+holder's segment, and stops everything by PID on exit, also on failure. Each `HolderProcess`
+can be paused (SIGSTOP, a host in a GC pause or swap storm), resumed, killed (SIGKILL) and
+restarted. Readers are pure clients (``fleet.client_config()``); `Fleet.holder_of` maps the
+transfer endpoint that ``batch_get_replica_desc`` reports to the holder behind it.
+
+With ``netns=True`` (root with ``ip netns``, Linux), each holder runs in a network namespace
+of its own with its own address, joined to the test process by a veth pair on a private
+bridge; the master listens on the bridge's address. `HolderProcess.partition` takes the
+holder's link down, and `HolderProcess.shape` adds latency (``tc netem``, where the kernel
+has it) or a rate limit (``tc tbf``). Namespaces, links and the bridge are always removed.
+`netns_unavailable_reason()` says why that mode cannot run here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import ipaddress
+import itertools
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mmkey._net import port_accepts
+from mmkey.holder import HolderSpec, find_holder_binary
+from mmkey.testing.mooncake_master import (
+    HOST,
+    INSTALL_HINT,
+    MasterProcess,
+    _free_port,
+    _wait_stopped,
+    running_master,
+)
+
+if TYPE_CHECKING:
+    from mmkey.cache.mooncake_config import MooncakeConfig
+
+__all__ = [
+    "Fleet",
+    "FleetStartError",
+    "HolderProcess",
+    "ShapingUnavailable",
+    "fleet_unavailable_reason",
+    "netns_unavailable_reason",
+    "replica_endpoints",
+    "running_fleet",
+]
+
+_STOP_GRACE_S = 5.0
+_POLL_S = 0.02
+_LOG_TAIL_CHARS = 4000
+_SUBNET_PREFIX = "10.213"
+"""Private /24 networks 10.213.X.0/24 for namespaced fleets (X picked free at start)."""
+_SEGMENT = re.compile(r'^segment_total_capacity_bytes\{segment="([^"]+)"\}', re.MULTILINE)
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_LIVE_HOLDERS: weakref.WeakSet[HolderProcess] = weakref.WeakSet()
+_LIVE_NETS: weakref.WeakSet[_TestNetwork] = weakref.WeakSet()
+_NAMES = itertools.count()
+_START_LOCK = threading.Lock()
+"""One holder starts at a time: the segment that appears at the master is the starter's."""
+
+
+class FleetStartError(RuntimeError):
+    """A holder (or the test network) did not come up; the message carries its log tail."""
+
+
+class ShapingUnavailable(RuntimeError):
+    """The kernel lacks the queueing discipline asked for (``netem`` in many VMs)."""
+
+
+def fleet_unavailable_reason() -> str | None:
+    """Why a fleet cannot run here (with the install hint), or ``None`` when it can."""
+    from mmkey.testing.mooncake_master import master_unavailable_reason
+
+    reason = master_unavailable_reason()
+    if reason is not None:
+        return reason
+    if find_holder_binary() is None:
+        return f"no mooncake_client binary was found; {INSTALL_HINT}"
+    return None
+
+
+def netns_unavailable_reason() -> str | None:
+    """Why holders cannot get network namespaces here, or ``None`` when they can.
+
+    Needs Linux, root (CAP_NET_ADMIN) and iproute2's ``ip``; probes by creating and removing
+    a namespace.
+    """
+    if not os.path.isdir("/proc/self/ns") or not hasattr(os, "geteuid"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root (CAP_NET_ADMIN); run the tests as root to include them"
+    if shutil.which("ip") is None:
+        return "network namespaces need iproute2's `ip` (apt-get install iproute2)"
+    probe = f"mmkprobe{os.getpid()}x{next(_NAMES)}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip() or made.returncode}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """``(address, port)`` of the TCP sockets ``pid`` listens on, read from its own netns."""
+    inodes: dict[str, tuple[str, int]] = {}
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != "0A":  # 0A = LISTEN
+                continue
+            hex_ip, hex_port = fields[1].rsplit(":", 1)
+            if width == 8:
+                address = str(ipaddress.IPv4Address(bytes.fromhex(hex_ip)[::-1]))
+            else:
+                words = bytes.fromhex(hex_ip)
+                raw = b"".join(words[i : i + 4][::-1] for i in range(0, 16, 4))
+                address = str(ipaddress.IPv6Address(raw))
+            inodes[fields[9]] = (address, int(hex_port, 16))
+    found: set[tuple[str, int]] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                found.add(inodes[link[8:-1]])
+    return found
+
+
+def _master_segments(master: MasterProcess, timeout: float = 1.0) -> set[str]:
+    """Segment names (``host:port``) the master currently lists, from its ``/metrics``."""
+    url = f"http://{master.host}:{master.metrics_port}/metrics"
+    try:
+        with _HTTP.open(url, timeout=timeout) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException, ValueError):
+        return set()
+    return set(_SEGMENT.findall(text))
+
+
+def _run(args: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(list(args), capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise FleetStartError(f"`{' '.join(args)}` failed: {done.stderr.strip() or done.returncode}")
+    return done
+
+
+class _TestNetwork:
+    """A private bridge with one network namespace per holder, joined by veth pairs."""
+
+    def __init__(self) -> None:
+        token = f"{os.getpid() % 100000:x}{next(_NAMES):x}"
+        self.bridge = f"mmkb{token}"[:15]
+        self._token = token
+        self._namespaces: list[str] = []
+        self._links: list[str] = []
+        self._made_bridge = False
+        self.subnet = -1
+        self.host_address = ""
+        _LIVE_NETS.add(self)
+        try:
+            self._make_bridge()
+        except BaseException:
+            self.close()
+            raise
+
+    def _make_bridge(self) -> None:
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        self._made_bridge = True
+        used = set(re.findall(rf"\b{re.escape(_SUBNET_PREFIX)}\.(\d+)\.", _run(["ip", "-o", "addr"]).stdout))
+        start = os.getpid() % 250
+        for offset in range(250):
+            candidate = (start + offset) % 250 + 1
+            if str(candidate) not in used:
+                self.subnet = candidate
+                break
+        else:
+            raise FleetStartError(f"no free {_SUBNET_PREFIX}.X.0/24 network for the test bridge")
+        self.host_address = f"{_SUBNET_PREFIX}.{self.subnet}.1"
+        _run(["ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge])
+        _run(["ip", "link", "set", self.bridge, "up"])
+
+    def add_namespace(self, index: int) -> tuple[str, str, str, str]:
+        """A namespace for holder ``index``: ``(netns, host-side link, inner link, address)``."""
+        netns = f"mmkn{self._token}h{index}"
+        outer = f"mko{self._token}h{index}"[:15]
+        inner = f"mki{self._token}h{index}"[:15]
+        address = f"{_SUBNET_PREFIX}.{self.subnet}.{10 + index}"
+        _run(["ip", "netns", "add", netns])
+        self._namespaces.append(netns)
+        _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner])
+        self._links.append(outer)
+        _run(["ip", "link", "set", inner, "netns", netns])
+        _run(["ip", "link", "set", outer, "master", self.bridge, "up"])
+        inside = ["ip", "netns", "exec", netns]
+        _run([*inside, "ip", "addr", "add", f"{address}/24", "dev", inner])
+        _run([*inside, "ip", "link", "set", inner, "up"])
+        _run([*inside, "ip", "link", "set", "lo", "up"])
+        return netns, outer, inner, address
+
+    def close(self) -> None:
+        """Remove every namespace, link and the bridge (idempotent; errors ignored)."""
+        for netns in self._namespaces:
+            _run(["ip", "netns", "del", netns], check=False)
+        for link in self._links:
+            _run(["ip", "link", "del", link], check=False)
+        if self._made_bridge:
+            _run(["ip", "link", "del", self.bridge], check=False)
+        self._namespaces, self._links, self._made_bridge = [], [], False
+        _LIVE_NETS.discard(self)
+
+
+class HolderProcess:
+    """A mutable handle on one segment-holder process; ``restart()`` keeps its name and address.
+
+    Create it through `running_fleet`. ``pid`` and ``endpoints`` change on restart.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        master: MasterProcess,
+        workdir: Path,
+        segment_size: int,
+        host: str = HOST,
+        netns: str | None = None,
+        links: tuple[str, str] | None = None,
+        timeout: float = 15.0,
+    ) -> None:
+        self._name = name
+        self._master = master
+        self._workdir = workdir
+        self._segment_size = segment_size
+        self._host = host
+        self._netns = netns
+        self._links = links
+        self._timeout = timeout
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._port = 0
+        self._endpoints: frozenset[str] = frozenset()
+        self._segment = ""
+        self._paused = False
+        self._partitioned = False
+        self._shaped = False
+        self._starts = 0
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """``"holder0"``, ``"holder1"``, ...: stable across restarts."""
+        return self._name
+
+    @property
+    def pid(self) -> int:
+        """PID of the current (or last) holder process (0 before the first start)."""
+        proc = self._proc
+        return proc.pid if proc is not None else 0
+
+    @property
+    def host(self) -> str:
+        """The address the holder listens on (its own in a namespaced fleet)."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The holder's service port of the current start."""
+        return self._port
+
+    @property
+    def netns(self) -> str | None:
+        """The holder's network namespace, or ``None`` on plain loopback."""
+        return self._netns
+
+    @property
+    def segment(self) -> str:
+        """The segment name the master lists for this holder's current start."""
+        return self._segment
+
+    @property
+    def endpoints(self) -> frozenset[str]:
+        """Every ``host:port`` the holder listened on once ready (its transfer endpoint among
+        them); kept after a kill, so the keys of a dead holder still map to it."""
+        return self._endpoints
+
+    @property
+    def log_path(self) -> Path:
+        """File receiving the holder's output (all starts, appended)."""
+        return self._workdir / f"{self._name}.log"
+
+    @property
+    def paused(self) -> bool:
+        """Whether `pause` stopped the holder."""
+        return self._paused
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether `partition` cut the holder's link."""
+        return self._partitioned
+
+    def __repr__(self) -> str:
+        state = "paused" if self._paused else ("running" if self.is_running() else "stopped")
+        where = f" netns={self._netns}" if self._netns else ""
+        return f"<HolderProcess {self._name} {self._host}:{self._port} pid={self.pid} {state}{where}>"
+
+    def spec(self) -> HolderSpec:
+        """The `HolderSpec` of the current start."""
+        return HolderSpec(
+            master_server_address=self._master.address,
+            local_hostname=self._host,
+            global_segment_size=self._segment_size,
+            port=self._port,
+        )
+
+    def command(self) -> list[str]:
+        """The command line of the current start (inside ``ip netns exec`` when namespaced)."""
+        argv = self.spec().argv()
+        return ["ip", "netns", "exec", self._netns, *argv] if self._netns else argv
+
+    # -- state ----------------------------------------------------------------------------
+    def is_running(self) -> bool:
+        """Whether the process exists and has not exited (a paused holder counts)."""
+        proc = self._proc
+        return proc is not None and proc.poll() is None
+
+    def is_ready(self) -> bool:
+        """Running, its service port accepts TCP, and the master lists its segment."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None or not self._segment:
+            return False
+        return port_accepts(self._host, self._port, 0.5) and self._segment in _master_segments(self._master)
+
+    def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
+        """The last ``chars`` characters of the holder's log."""
+        try:
+            return self.log_path.read_bytes()[-chars:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    # -- faults ---------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Freeze the holder with SIGSTOP (returns once stopped): its sockets stay open, nothing answers."""
+        with self._lock:
+            self._signal(signal.SIGSTOP)
+            self._paused = True
+            _wait_stopped(self.pid, stopped=True)
+
+    def resume(self) -> None:
+        """Undo `pause` with SIGCONT (returns once it runs again)."""
+        with self._lock:
+            self._signal(signal.SIGCONT)
+            self._paused = False
+            _wait_stopped(self.pid, stopped=False)
+
+    def kill(self) -> None:
+        """SIGKILL the holder and reap it, like a crash: its entries are gone for everyone."""
+        with self._lock:
+            proc = self._proc
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+            self._paused = False
+
+    def stop(self) -> None:
+        """Stop gracefully: SIGCONT, SIGTERM, up to 5 s, then SIGKILL; always reaps."""
+        with self._lock:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.terminate()
+                try:
+                    proc.wait(timeout=_STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    proc.wait()
+            elif proc is not None:
+                proc.wait()
+            self._paused = False
+
+    def restart(self) -> None:
+        """Stop the holder if it runs and start a fresh one (same name and address, new ports)."""
+        with self._lock:
+            self.stop()
+            self.start()
+
+    def partition(self) -> None:
+        """Take the holder's link down (namespaced fleets only): it is cut off, yet alive."""
+        self._set_link("down")
+        self._partitioned = True
+
+    def heal(self) -> None:
+        """Bring the holder's link back up after `partition`."""
+        self._set_link("up")
+        self._partitioned = False
+
+    def shape(self, *, delay_ms: float | None = None, rate_kbit: int | None = None) -> None:
+        """Slow the holder's link both ways (namespaced fleets only), replacing earlier shaping.
+
+        ``delay_ms`` adds latency with ``tc netem`` (`ShapingUnavailable` where the kernel lacks
+        it); ``rate_kbit`` limits bandwidth with ``tc tbf``. `unshape` removes it.
+        """
+        if (delay_ms is None) == (rate_kbit is None):
+            raise TypeError("shape() takes exactly one of delay_ms= or rate_kbit=")
+        outer, inner = self._need_links("shape")
+        if delay_ms is not None:
+            qdisc = ["netem", "delay", f"{float(delay_ms)}ms"]
+        else:
+            assert rate_kbit is not None
+            burst = max(int(rate_kbit) * 1000 // 8 // 50, 4096)  # ~20 ms of traffic, at least 4 KiB
+            qdisc = ["tbf", "rate", f"{int(rate_kbit)}kbit", "burst", str(burst), "latency", "60s"]
+        assert self._netns is not None
+        for prefix, link in (([], outer), (["ip", "netns", "exec", self._netns], inner)):
+            done = _run([*prefix, "tc", "qdisc", "replace", "dev", link, "root", *qdisc], check=False)
+            if done.returncode != 0:
+                self.unshape()
+                message = done.stderr.strip()
+                if "unknown" in message.lower():
+                    raise ShapingUnavailable(f"tc qdisc {qdisc[0]} is not available in this kernel: {message}")
+                raise FleetStartError(f"tc qdisc {qdisc[0]} on {link} failed: {message}")
+        self._shaped = True
+
+    def unshape(self) -> None:
+        """Remove what `shape` added (harmless when nothing was)."""
+        outer, inner = self._need_links("unshape")
+        assert self._netns is not None
+        _run(["tc", "qdisc", "del", "dev", outer, "root"], check=False)
+        _run(["ip", "netns", "exec", self._netns, "tc", "qdisc", "del", "dev", inner, "root"], check=False)
+        self._shaped = False
+
+    # -- internals ------------------------------------------------------------------------
+    def _need_links(self, what: str) -> tuple[str, str]:
+        if self._links is None or self._netns is None:
+            raise RuntimeError(
+                f"{what}() needs a holder in a network namespace: use running_fleet(netns=True)"
+            )
+        return self._links
+
+    def _set_link(self, state: str) -> None:
+        outer, _ = self._need_links("partition" if state == "down" else "heal")
+        _run(["ip", "link", "set", outer, state])
+
+    def _signal(self, sig: signal.Signals) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            raise ProcessLookupError(f"holder {self._name} is not running")
+        os.kill(proc.pid, sig)
+
+    def _failure(self, what: str) -> str:
+        return (
+            f"holder {self._name} {what} (command {' '.join(self.command())}); "
+            f"log {self.log_path} ends with:\n{self.log_tail()}"
+        )
+
+    def start(self) -> None:
+        """Start the holder on a free service port and wait until the master lists its segment."""
+        with self._lock, _START_LOCK:
+            deadline = time.monotonic() + self._timeout
+            while True:
+                before = _master_segments(self._master)
+                # a namespace of its own has every port free; loopback asks the kernel
+                self._port = random.randrange(20000, 30000) if self._netns else _free_port(self._host)
+                self._starts += 1
+                env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
+                with open(self.log_path, "ab") as log:
+                    log.write(f"=== start {self._starts}: {' '.join(self.command())}\n".encode())
+                    log.flush()
+                    self._proc = subprocess.Popen(
+                        self.command(),
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=self._workdir,
+                        close_fds=True,
+                    )
+                self._paused = False
+                self._segment = ""
+                _LIVE_HOLDERS.add(self)
+                if self._wait_ready(deadline, before):
+                    return
+                if self._proc.poll() is None or time.monotonic() + 0.1 >= deadline:
+                    message = self._failure("was not ready in time")
+                    self.stop()
+                    raise FleetStartError(message)
+                # exited early: most likely its port was taken meanwhile; try another one
+
+    def _wait_ready(self, deadline: float, before: set[str]) -> bool:
+        """Wait for the service port and for a segment the master did not list before."""
+        proc = self._proc
+        assert proc is not None
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
+            if port_accepts(self._host, self._port, 0.5):
+                new = _master_segments(self._master) - before
+                if new:
+                    # the segment's name is not one of the holder's sockets: the new name is it
+                    self._segment = min(new)
+                    listening = _listening(proc.pid)
+                    self._endpoints = frozenset(
+                        f"{self._host if address in ('0.0.0.0', '::') else address}:{port}"
+                        for address, port in listening
+                    )
+                    return True
+            time.sleep(_POLL_S)
+        return False
+
+
+class Fleet:
+    """A master and its holders, from `running_fleet`."""
+
+    def __init__(
+        self,
+        master: MasterProcess,
+        holders: list[HolderProcess],
+        *,
+        client_host: str,
+        network: _TestNetwork | None,
+        make_holder: Callable[[int], HolderProcess],
+    ) -> None:
+        self._master = master
+        self._holders = holders
+        self._client_host = client_host
+        self._network = network
+        self._make_holder = make_holder
+
+    @property
+    def master(self) -> MasterProcess:
+        """The fleet's master (pause, kill and restart it like any `MasterProcess`)."""
+        return self._master
+
+    @property
+    def holders(self) -> tuple[HolderProcess, ...]:
+        """Every holder, in the order they were added."""
+        return tuple(self._holders)
+
+    @property
+    def namespaced(self) -> bool:
+        """Whether each holder has a network namespace (partition and shape work)."""
+        return self._network is not None
+
+    @property
+    def client_host(self) -> str:
+        """The ``local_hostname`` a reader in this process uses to reach the fleet."""
+        return self._client_host
+
+    def __repr__(self) -> str:
+        return f"<Fleet master={self._master.address} holders={len(self._holders)}>"
+
+    def add_holder(self) -> HolderProcess:
+        """Start one more holder and wait until it serves."""
+        holder = self._make_holder(len(self._holders))
+        self._holders.append(holder)
+        holder.start()
+        return holder
+
+    def client_config(self, **overrides: Any) -> MooncakeConfig:
+        """A `MooncakeConfig` of a pure client (``global_segment_size=0``) of this fleet."""
+        from mmkey.cache.mooncake_config import MooncakeConfig
+
+        fields: dict[str, Any] = {
+            "master_server_address": self._master.address,
+            "local_hostname": self._client_host,
+            "global_segment_size": 0,
+        }
+        fields.update(overrides)
+        return MooncakeConfig(**fields)
+
+    def holder_of(self, endpoint: str) -> HolderProcess | None:
+        """The holder behind a transfer endpoint (``"host:port"``) or segment name, or ``None``."""
+        for holder in self._holders:
+            if endpoint in holder.endpoints or endpoint == holder.segment:
+                return holder
+        return None
+
+    def wait_segments(self, expected: int, timeout: float = 30.0) -> bool:
+        """Wait until the master lists exactly ``expected`` segments (it drops a dead holder's
+        after about 10 s); ``False`` if ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(_master_segments(self._master)) == expected:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def segments(self) -> set[str]:
+        """Segment names the master lists now."""
+        return _master_segments(self._master)
+
+
+def replica_endpoints(store: object, keys: Sequence[str]) -> dict[str, list[str]]:
+    """Transfer endpoints of each key's replicas, as the store reports them (``[]`` if absent).
+
+    ``store`` is a set-up ``mooncake.store.MooncakeDistributedStore``; map the endpoints to
+    holders with `Fleet.holder_of`.
+    """
+    lookup: Any = store
+    described: Mapping[str, Sequence[Any]] = lookup.batch_get_replica_desc(list(keys))
+    found: dict[str, list[str]] = {}
+    for key in keys:
+        endpoints: list[str] = []
+        for replica in described.get(key, ()):
+            with contextlib.suppress(Exception):  # a replica on disk has no memory descriptor
+                endpoints.append(str(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint))
+        found[key] = endpoints
+    return found
+
+
+@contextlib.contextmanager
+def running_fleet(
+    holders: int = 2,
+    *,
+    segment_size: int = 64 << 20,
+    netns: bool = False,
+    timeout: float = 15.0,
+) -> Iterator[Fleet]:
+    """Run a master and ``holders`` holder processes for the duration of the ``with`` block.
+
+    ``segment_size`` is the memory each holder lends (bytes). ``netns=True`` puts each holder
+    in a network namespace of its own (see `netns_unavailable_reason`). Everything started is
+    stopped by PID and every namespace removed on exit, also when the block raises.
+    """
+    count: object = holders
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise TypeError(f"holders must be a count (int >= 0), got {holders!r}")
+    reason = fleet_unavailable_reason()
+    if reason is not None:
+        raise FileNotFoundError(reason)
+    if netns:
+        why = netns_unavailable_reason()
+        if why is not None:
+            raise FleetStartError(why)
+    workdir = Path(tempfile.mkdtemp(prefix="mmkey-fleet-"))
+    network: _TestNetwork | None = None
+    started: list[HolderProcess] = []
+    try:
+        network = _TestNetwork() if netns else None
+        host = network.host_address if network is not None else HOST
+        with running_master(timeout=timeout, host=host) as master:
+
+            def make_holder(index: int) -> HolderProcess:
+                if network is None:
+                    return HolderProcess(
+                        name=f"holder{index}", master=master, workdir=workdir,
+                        segment_size=segment_size, timeout=timeout,
+                    )
+                ns, outer, inner, address = network.add_namespace(index)
+                return HolderProcess(
+                    name=f"holder{index}", master=master, workdir=workdir,
+                    segment_size=segment_size, host=address, netns=ns,
+                    links=(outer, inner), timeout=timeout,
+                )
+
+            fleet = Fleet(master, started, client_host=host, network=network, make_holder=make_holder)
+            try:
+                for _ in range(holders):
+                    fleet.add_holder()
+                yield fleet
+            finally:
+                for holder in started:
+                    holder.stop()
+                    _LIVE_HOLDERS.discard(holder)
+    finally:
+        if network is not None:
+            network.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for holder in list(_LIVE_HOLDERS):
+        with contextlib.suppress(Exception):
+            holder.stop()
+    for network in list(_LIVE_NETS):
+        with contextlib.suppress(Exception):
+            network.close()
