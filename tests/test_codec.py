@@ -243,7 +243,7 @@ def test_a_rekeyed_header_fails_its_checksum() -> None:
         (0, b"NOPE", "magic"),
         (4, b"\x02", "version"),
         (5, b"\xee", "dtype code"),
-        (7, b"\x01", "flags"),
+        (7, b"\x02", "flags"),
         (10, b"\x00\x01", "header length"),
         (16, struct.pack("<Q", 999), "truncated"),
     ],

@@ -8,6 +8,7 @@ neither torch nor mooncake: they load when a function needs them.
 from __future__ import annotations
 
 from mmkey.cache.aio import AsyncCache
+from mmkey.cache.auth import EntryKeyring, EntrySecret
 from mmkey.cache.memory import MemoryCache
 from mmkey.cache.mooncake import MooncakeCache
 from mmkey.cache.mooncake_config import MooncakeConfig
@@ -16,6 +17,7 @@ from mmkey.cache.tiered import TieredCache
 from mmkey.digest import HashScheme, MMHash, Modality, mm_hash
 from mmkey.errors import (
     CorruptEntry,
+    ForgedEntry,
     InvalidDigest,
     InvalidKey,
     MMKeyError,
@@ -35,6 +37,9 @@ __all__ = [
     "CorruptEntry",
     "EmbeddingCache",
     "EmbeddingKey",
+    "EntryKeyring",
+    "EntrySecret",
+    "ForgedEntry",
     "HashScheme",
     "InvalidDigest",
     "InvalidKey",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CorruptEntry",
+    "ForgedEntry",
     "InvalidDigest",
     "InvalidKey",
     "MMKeyError",
@@ -26,6 +27,14 @@ class InvalidDigest(InvalidKey):
 
 class CorruptEntry(MMKeyError):
     """A stored entry that does not verify: wrong magic, checksum, key, dtype or shape."""
+
+
+class ForgedEntry(CorruptEntry):
+    """A well-formed entry whose MAC does not verify under any secret of the reader's keyring.
+
+    Also an entry without a MAC read with a keyring that does not accept unauthenticated
+    entries. A `CorruptEntry`, so code that drops corrupt entries drops forged ones too.
+    """
 
 
 class StoreError(MMKeyError):

@@ -7,26 +7,36 @@ An entry is a header followed by the tensor's bytes. All integers are little-end
     4       1         format version (1)
     5       1         dtype code (`DTYPE_CODES`)
     6       1         ndim (0 to 64)
-    7       1         flags (0)
+    7       1         flags: 0, or `FLAG_AUTHENTICATED` (1)
     8       2         key length K in bytes
     10      2         header length H: the payload offset, a multiple of 64
     12      4         reserved (0)
     16      8         payload length P in bytes
-    24      16        checksum: XXH3-128 (canonical, big-endian) of bytes [0, 24) and [40, H + P)
-    40      8*ndim    shape, one u64 per dimension
-    40+8n   K         the key text (ASCII)
+    24      16        checksum: XXH3-128 (canonical, big-endian) of bytes [0, 24) and [C, H + P)
+    -- authenticated entries only (flag 1); C = 72 and S = 80 for them, C = S = 40 otherwise:
+    40      32        MAC: BLAKE3 keyed hash of bytes [0, 40) and [72, H + P), with the MAC
+                      key derived from the secret: every byte but its own, checksum included
+    72      8         id of the secret whose derived MAC key made the MAC
+    --
+    S       8*ndim    shape, one u64 per dimension
+    S+8n    K         the key text (ASCII)
     ...               zero padding up to H
     H       P         payload: the C-order element bytes
 
 An entry is exactly ``H + P`` bytes. `decode_entry` checks every field and the checksum
 against the key being read, so truncated, extended, bit-flipped or re-keyed entries raise
-`CorruptEntry`; the checksum detects accidents, not forgeries. torch and xxhash load on
-first use, never at ``import mmkey``.
+`CorruptEntry`; the checksum detects accidents, not forgeries. Forgeries are what the MAC
+stops: given an `EntryKeyring` (`mmkey.cache.auth`), `encode_entry` signs entries with its
+current secret and `decode_entry` serves only entries whose MAC verifies under one of its
+secrets, raising `ForgedEntry` otherwise. Entries without a MAC decode as before, and a
+reader without a keyring decodes authenticated entries after their checksum. torch, xxhash
+and blake3 load on first use, never at ``import mmkey``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hmac
 import math
 import struct
 import warnings
@@ -36,14 +46,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import attrs
 
 from mmkey._tensors import plain_cpu
-from mmkey.errors import CorruptEntry, InvalidKey
+from mmkey.errors import CorruptEntry, ForgedEntry, InvalidKey
 
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer
 
+    from mmkey.cache.auth import EntryKeyring, EntrySecret
+
 __all__ = [
     "DTYPE_CODES",
+    "FLAG_AUTHENTICATED",
     "FORMAT_VERSION",
     "HEADER_ALIGN",
     "MAGIC",
@@ -63,6 +76,8 @@ HEADER_ALIGN = 64
 """Headers are zero-padded to a multiple of this, so payloads start aligned."""
 MAX_NDIM = 64
 """The most dimensions an entry may have."""
+FLAG_AUTHENTICATED = 0x01
+"""The flag of entries that carry a MAC and the id of the secret that made it."""
 
 DTYPE_CODES: dict[str, int] = {
     "bool": 1,
@@ -98,6 +113,11 @@ DTYPE_CODES: dict[str, int] = {
 _FIXED = struct.Struct("<4sBBBBHHIQ16s")
 _FIXED_SIZE = _FIXED.size  # 40
 _DIGEST_AT = 24
+_MAC_AT = _FIXED_SIZE  # 40
+_ID_AT = _MAC_AT + 32  # 72
+_AUTH_END = _ID_AT + 8  # 80: where an authenticated entry's shape starts
+_MAC_PARALLEL_FROM = 1 << 20
+"""Payloads at least this large are MAC'd by BLAKE3 on all cores."""
 _MAX_KEY_BYTES = 8192  # the longest v1 key is ~3.1 KB; the header length must fit a u16
 _PyBUF_READ = 0x100
 _PyBUF_WRITE = 0x200
@@ -117,6 +137,8 @@ class EntryHeader:
     header_size: int
     """Offset of the payload; a multiple of `HEADER_ALIGN`."""
     payload_size: int
+    key_id: bytes | None = None
+    """The id of the secret whose MAC the entry carries; None for an unauthenticated entry."""
 
     @property
     def entry_size(self) -> int:
@@ -166,8 +188,8 @@ def _rt() -> _Runtime:
     return _runtime
 
 
-def _header_size(ndim: int, key_len: int) -> int:
-    unpadded = _FIXED_SIZE + 8 * ndim + key_len
+def _header_size(ndim: int, key_len: int, authenticated: bool = False) -> int:
+    unpadded = (_AUTH_END if authenticated else _FIXED_SIZE) + 8 * ndim + key_len
     return -(-unpadded // HEADER_ALIGN) * HEADER_ALIGN
 
 
@@ -202,72 +224,126 @@ def _plain_cpu(tensor: torch.Tensor, rt: _Runtime) -> tuple[torch.Tensor, int]:
     return t, code
 
 
-def _header(key: bytes, t: torch.Tensor, code: int, payload: int) -> bytearray:
-    """The header with a zero checksum field."""
-    size = _header_size(t.dim(), len(key))
+def _signer(keyring: EntryKeyring | None) -> EntrySecret | None:
+    """The secret new entries are signed with: the keyring's current one, if any."""
+    if keyring is None:
+        return None
+    from mmkey.cache.auth import EntryKeyring
+
+    value: object = keyring
+    if not isinstance(value, EntryKeyring):
+        raise TypeError(
+            f"keyring must be an EntryKeyring or None, got {type(value).__name__}; "
+            "use mmkey.EntryKeyring.from_secrets(secret)"
+        )
+    return keyring.current
+
+
+def _header(
+    key: bytes, t: torch.Tensor, code: int, payload: int, secret: EntrySecret | None
+) -> bytearray:
+    """The header with zero checksum and MAC fields."""
+    size = _header_size(t.dim(), len(key), secret is not None)
     head = bytearray(size)
-    _FIXED.pack_into(head, 0, MAGIC, FORMAT_VERSION, code, t.dim(), 0, len(key), size, 0, payload, b"")
-    _SHAPES[t.dim()].pack_into(head, _FIXED_SIZE, *t.shape)
-    at = _FIXED_SIZE + 8 * t.dim()
+    flags = 0 if secret is None else FLAG_AUTHENTICATED
+    _FIXED.pack_into(
+        head, 0, MAGIC, FORMAT_VERSION, code, t.dim(), flags, len(key), size, 0, payload, b""
+    )
+    at = _FIXED_SIZE
+    if secret is not None:
+        head[_ID_AT:_AUTH_END] = secret.key_id
+        at = _AUTH_END
+    _SHAPES[t.dim()].pack_into(head, at, *t.shape)
+    at += 8 * t.dim()
     head[at : at + len(key)] = key
     return head
 
 
-def entry_size(key: str, tensor: torch.Tensor) -> int:
+def _checksum_hasher(head: memoryview, authenticated: bool, rt: _Runtime) -> Any:
+    """An XXH3 hasher fed with the header bytes the checksum covers (all but the tags)."""
+    checksum = rt.xxh3_128(head[:_DIGEST_AT])
+    checksum.update(head[_ID_AT if authenticated else _FIXED_SIZE :])
+    return checksum
+
+
+def _mac_hasher(secret: EntrySecret, head: memoryview, payload_size: int) -> Any:
+    """A keyed hasher fed with the header bytes the MAC covers ([0, 40) and [72, H))."""
+    threads = -1 if payload_size >= _MAC_PARALLEL_FROM else 1  # blake3.AUTO is -1
+    mac = secret.hasher(threads)
+    mac.update(head[:_MAC_AT])
+    mac.update(head[_ID_AT:])
+    return mac
+
+
+def _seal(head: bytearray, payload: Buffer, secret: EntrySecret | None, rt: _Runtime) -> None:
+    """Fill in the checksum and then (when signing) the MAC of `head` followed by `payload`."""
+    view = memoryview(head)
+    checksum = _checksum_hasher(view, secret is not None, rt)
+    checksum.update(payload)
+    view[_DIGEST_AT:_FIXED_SIZE] = checksum.digest()
+    if secret is not None:
+        mac = _mac_hasher(secret, view, memoryview(payload).nbytes)
+        mac.update(payload)
+        view[_MAC_AT:_ID_AT] = mac.digest()
+
+
+def entry_size(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None = None) -> int:
     """Bytes `encode_entry` writes for `tensor` under `key`: header plus payload."""
     import torch
 
     value: object = tensor
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"embeddings must be torch.Tensor, got {type(value).__name__}")
-    return _header_size(tensor.dim(), len(_key_bytes(key))) + tensor.numel() * tensor.element_size()
+    signed = _signer(keyring) is not None
+    head = _header_size(tensor.dim(), len(_key_bytes(key)), signed)
+    return head + tensor.numel() * tensor.element_size()
 
 
-def encode_entry(key: str, tensor: torch.Tensor) -> bytes:
+def encode_entry(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None = None) -> bytes:
     """The entry of `tensor` stored under key text `key` (see the module doc for the layout).
 
     Any strided tensor of a `DTYPE_CODES` dtype on any device; it is copied, never kept.
+    With a `keyring`, the entry carries a MAC made with its current secret.
     """
     rt = _rt()
     raw_key = _key_bytes(key)
+    secret = _signer(keyring)
     t, code = _plain_cpu(tensor, rt)
     nbytes = t.numel() * t.element_size()
-    head = _header(raw_key, t, code, nbytes)
+    head = _header(raw_key, t, code, nbytes, secret)
     payload = rt.memory_view(t.data_ptr(), nbytes, _PyBUF_READ) if nbytes else b""
-    view = memoryview(head)
-    checksum = rt.xxh3_128(view[:_DIGEST_AT])
-    checksum.update(view[_FIXED_SIZE:])
-    checksum.update(payload)
-    head[_DIGEST_AT:_FIXED_SIZE] = checksum.digest()
+    _seal(head, payload, secret, rt)
     return b"".join((head, payload))
 
 
-def encode_entry_into(buf: Buffer, key: str, tensor: torch.Tensor) -> int:
+def encode_entry_into(
+    buf: Buffer, key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None = None
+) -> int:
     """Write the entry of `tensor` at the start of the writable buffer `buf`; bytes written.
 
-    For registered (pinned) memory: size the region with `entry_size`. Raises `ValueError`
-    when `buf` is read-only or too small; the bytes after the entry are left untouched.
+    For registered (pinned) memory: size the region with `entry_size` (same `keyring`).
+    Raises `ValueError` when `buf` is read-only or too small; the bytes after the entry
+    are left untouched.
     """
     rt = _rt()
     raw_key = _key_bytes(key)
+    secret = _signer(keyring)
     t, code = _plain_cpu(tensor, rt)
     nbytes = t.numel() * t.element_size()
-    head = _header(raw_key, t, code, nbytes)
+    head = _header(raw_key, t, code, nbytes, secret)
     out = _byte_view(buf)
     total = len(head) + nbytes
     if out.readonly:
         raise ValueError("encode_entry_into() needs a writable buffer (bytearray, memoryview)")
     if out.nbytes < total:
         raise ValueError(f"buffer holds {out.nbytes} bytes, the entry needs {total}")
-    out[: len(head)] = head
     if nbytes:
         import torch
 
         target = torch.frombuffer(out, dtype=torch.uint8, count=nbytes, offset=len(head))
         target.copy_(t.reshape(-1).view(torch.uint8))
-    checksum = rt.xxh3_128(out[:_DIGEST_AT])
-    checksum.update(out[_FIXED_SIZE:total])
-    out[_DIGEST_AT:_FIXED_SIZE] = checksum.digest()
+    _seal(head, out[len(head) : total], secret, rt)
+    out[: len(head)] = head
     return total
 
 
@@ -295,6 +371,7 @@ class _Parsed(NamedTuple):
     header_size: int
     payload_size: int
     stored_key: bytes
+    authenticated: bool
 
 
 def _parse(view: memoryview, rt: _Runtime) -> _Parsed:
@@ -309,24 +386,29 @@ def _parse(view: memoryview, rt: _Runtime) -> _Parsed:
         raise CorruptEntry(f"not an mmkey entry: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CorruptEntry(f"entry format version {version}, this mmkey reads {FORMAT_VERSION}")
-    if flags or reserved:
-        raise CorruptEntry(f"entry flags {flags:#x} / reserved {reserved:#x} must be 0")
+    if flags & ~FLAG_AUTHENTICATED or reserved:
+        raise CorruptEntry(
+            f"entry flags {flags:#x} / reserved {reserved:#x}: only flag "
+            f"{FLAG_AUTHENTICATED:#x} is defined and reserved must be 0"
+        )
+    authenticated = flags == FLAG_AUTHENTICATED
     dtype = rt.dtype_of.get(code)
     if dtype is None:
         raise CorruptEntry(f"entry dtype code {code} is unknown to this mmkey and torch")
-    if ndim > MAX_NDIM or key_len == 0 or head != _header_size(ndim, key_len):
+    if ndim > MAX_NDIM or key_len == 0 or head != _header_size(ndim, key_len, authenticated):
         raise CorruptEntry(
             f"entry header length {head} does not fit ndim {ndim} and key length {key_len}"
         )
     if size != head + payload:
         what = "truncated" if size < head + payload else "extended"
         raise CorruptEntry(f"{what} entry: {size} bytes, the header says {head + payload}")
-    shape: tuple[int, ...] = _SHAPES[ndim].unpack_from(view, _FIXED_SIZE)
+    at = _AUTH_END if authenticated else _FIXED_SIZE
+    shape: tuple[int, ...] = _SHAPES[ndim].unpack_from(view, at)
     numel = math.prod(shape)
     if numel * dtype.itemsize != payload or (not numel and any(dim >> 62 for dim in shape)):
         raise CorruptEntry(f"entry shape {shape} of {dtype} does not fit {payload} payload bytes")
-    at = _FIXED_SIZE + 8 * ndim
-    return _Parsed(dtype, shape, head, payload, view[at : at + key_len].tobytes())
+    at += 8 * ndim
+    return _Parsed(dtype, shape, head, payload, view[at : at + key_len].tobytes(), authenticated)
 
 
 def peek_header(data: Buffer) -> EntryHeader:
@@ -334,24 +416,37 @@ def peek_header(data: Buffer) -> EntryHeader:
 
     For routing and sizing only: the tensor itself comes from `decode_entry`, which verifies.
     """
-    parsed = _parse(_byte_view(data), _rt())
+    view = _byte_view(data)
+    parsed = _parse(view, _rt())
     key = parsed.stored_key.decode("latin-1")
-    return EntryHeader(key, parsed.dtype, parsed.shape, parsed.header_size, parsed.payload_size)
+    key_id = view[_ID_AT:_AUTH_END].tobytes() if parsed.authenticated else None
+    return EntryHeader(
+        key, parsed.dtype, parsed.shape, parsed.header_size, parsed.payload_size, key_id
+    )
 
 
-def decode_entry(key: str, data: Buffer, *, copy: bool = True) -> torch.Tensor:
+def decode_entry(
+    key: str, data: Buffer, *, copy: bool = True, keyring: EntryKeyring | None = None
+) -> torch.Tensor:
     """The tensor stored in entry `data`, verified against key text `key`.
 
     Raises `CorruptEntry` (saying what failed) unless magic, version, dtype, shape, sizes,
-    the key and the checksum all verify. The result never aliases `data`, unless
-    ``copy=False``: then it is a view of `data`, which must be writable, owned by the caller
-    and left unchanged while the tensor lives (e.g. a registered buffer handed over).
-    `data` must not change while this runs.
+    the key and the checksum all verify. With a `keyring`, the entry must instead carry a
+    MAC that verifies under one of its secrets (compared in constant time), else
+    `ForgedEntry`; an entry without a MAC is `ForgedEntry` too unless the keyring accepts
+    unauthenticated entries. Without a keyring, authenticated entries are served after
+    their checksum like any other (such a reader cannot check a MAC, and refusing them
+    would gain it nothing). An entry whose MAC fails is `CorruptEntry` if its checksum
+    fails as well (an accident), `ForgedEntry` if not.
+
+    The result never aliases `data`, unless ``copy=False``: then it is a view of `data`,
+    which must be writable, owned by the caller and left unchanged while the tensor lives
+    (e.g. a registered buffer handed over). `data` must not change while this runs.
     """
     rt = _runtime or _rt()
     raw_key = _key_bytes(key)
     view = _byte_view(data)
-    dtype, shape, head, payload, stored_key = _parse(view, rt)
+    dtype, shape, head, payload, stored_key, authenticated = _parse(view, rt)
     if stored_key != raw_key:
         raise CorruptEntry(
             f"entry was written under key {stored_key[:120].decode('latin-1')!r}, "
@@ -359,21 +454,30 @@ def decode_entry(key: str, data: Buffer, *, copy: bool = True) -> torch.Tensor:
         )
     import torch
 
-    checksum = rt.xxh3_128(view[:_DIGEST_AT])
-    checksum.update(view[_FIXED_SIZE:head])
+    secret = None
+    if keyring is not None:
+        _signer(keyring)  # the type check
+        key_id = view[_ID_AT:_AUTH_END] if authenticated else None
+        secret = None if key_id is None else keyring.secret_for(key_id)
+        if secret is None and (authenticated or not keyring.accept_unauthenticated):
+            _refuse(view, key, rt, key_id, keyring)
+    if secret is None:
+        verifier = _checksum_hasher(view[:head], authenticated, rt)
+        expected = view[_DIGEST_AT:_FIXED_SIZE]
+    else:
+        verifier = _mac_hasher(secret, view[:head], payload)
+        expected = view[_MAC_AT:_ID_AT]
     if copy and 0 < payload <= _FUSED_MAX:
         # Copy, then hash the copy while it is still in cache: one pass over the payload,
-        # and the checksum covers exactly the bytes returned. Dropped unless it matches.
+        # and the checksum (or MAC) covers exactly the bytes returned. Dropped unless it matches.
         out = rt.blank[dtype].new_empty(shape)
         target = rt.memory_view(out.data_ptr(), payload, _PyBUF_WRITE)
         target[:] = view[head:]
-        checksum.update(target)
-        if checksum.digest() != view[_DIGEST_AT:_FIXED_SIZE]:
-            raise CorruptEntry(f"entry for key {key[:120]!r} fails its checksum")
+        verifier.update(target)
+        _verify(verifier.digest(), expected, view, authenticated, key, rt, secret)
         return out
-    checksum.update(view[head:])
-    if checksum.digest() != view[_DIGEST_AT:_FIXED_SIZE]:
-        raise CorruptEntry(f"entry for key {key[:120]!r} fails its checksum")
+    verifier.update(view[head:])
+    _verify(verifier.digest(), expected, view, authenticated, key, rt, secret)
     if not copy and view.readonly:
         raise ValueError("decode_entry(copy=False) needs a writable buffer it may alias")
     if not payload:
@@ -383,3 +487,54 @@ def decode_entry(key: str, data: Buffer, *, copy: bool = True) -> torch.Tensor:
     tensor = torch.frombuffer(view, dtype=dtype, count=payload // dtype.itemsize, offset=head)
     tensor = tensor.view(shape)
     return tensor.clone() if copy else tensor
+
+
+def _checksum_holds(view: memoryview, authenticated: bool, rt: _Runtime) -> bool:
+    checksum = _checksum_hasher(view, authenticated, rt)
+    return bool(checksum.digest() == view[_DIGEST_AT:_FIXED_SIZE])
+
+
+def _verify(
+    digest: bytes,
+    expected: memoryview,
+    view: memoryview,
+    authenticated: bool,
+    key: str,
+    rt: _Runtime,
+    secret: EntrySecret | None,
+) -> None:
+    """Raise unless `digest` is the checksum (or, with `secret`, the MAC) the entry carries."""
+    if secret is None:
+        if digest != expected:
+            raise CorruptEntry(f"entry for key {key[:120]!r} fails its checksum")
+        return
+    if not hmac.compare_digest(digest, expected):
+        if not _checksum_holds(view, authenticated, rt):
+            raise CorruptEntry(f"entry for key {key[:120]!r} fails its checksum")
+        raise ForgedEntry(
+            f"entry for key {key[:120]!r} fails its MAC under secret {secret.key_id.hex()}"
+        )
+
+
+def _refuse(
+    view: memoryview,
+    key: str,
+    rt: _Runtime,
+    key_id: memoryview | None,
+    keyring: EntryKeyring,
+) -> None:
+    """Raise for an entry `keyring` holds no secret for: corrupt if its checksum fails."""
+    if not _checksum_holds(view, key_id is not None, rt):
+        raise CorruptEntry(f"entry for key {key[:120]!r} fails its checksum")
+    if key_id is None:
+        raise ForgedEntry(
+            f"entry for key {key[:120]!r} carries no MAC, and this keyring accepts only "
+            "authenticated entries (set accept_unauthenticated, or "
+            "MMKEY_ENTRY_ACCEPT_UNAUTHENTICATED=1, for a migration window)"
+        )
+    held = ", ".join(s.key_id.hex() for s in (keyring.current, *keyring.previous))
+    raise ForgedEntry(
+        f"entry for key {key[:120]!r} names secret {key_id.hex()}, which this keyring does "
+        f"not hold (it holds {held}; keep a rotated-out secret in previous while its "
+        "entries live)"
+    )

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mmkey.cache._guard import insert_args, key_texts
+from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.cache.codec import decode_entry, encode_entry
 from mmkey.cache.protocol import CacheStats
-from mmkey.errors import CorruptEntry, StoreClosed
+from mmkey.errors import CorruptEntry, ForgedEntry, StoreClosed
 from mmkey.keys import CacheKey
 
 if TYPE_CHECKING:
@@ -26,28 +27,45 @@ class MemoryCache:
     tensor mutated after `insert_batch` or after `get_embeddings` never changes what the
     cache holds. An entry larger than the whole budget is refused (``False``). Within one
     batch a repeated key is written in order: the last write wins.
+
+    `keyring` signs every entry and serves only entries whose MAC verifies (see
+    `mmkey.cache.auth`); by default it comes from ``MMKEY_ENTRY_KEY_FILE`` /
+    ``MMKEY_ENTRY_KEY``, and ``keyring=None`` turns authentication off.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(
+        self, max_bytes: int, *, keyring: EntryKeyring | FromEnv | None = FROM_ENV
+    ) -> None:
         value: object = max_bytes
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"max_bytes must be an int, got {type(value).__name__}")
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self._max_bytes = max_bytes
+        self._keyring = keyring_for_cache(keyring, "MemoryCache")
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, bytes] = OrderedDict()
         self._held = 0
         self._closed = False
         self._hits = self._misses = self._inserts = self._evictions = self._corrupt = 0
+        self._forged = 0
 
     @property
     def max_bytes(self) -> int:
         """The budget: the most entry bytes (headers and payloads) held at once."""
         return self._max_bytes
 
+    @property
+    def keyring(self) -> EntryKeyring | None:
+        """The secrets entries are signed and verified with; None when they are not."""
+        return self._keyring
+
     def __repr__(self) -> str:
-        return f"MemoryCache(max_bytes={self._max_bytes}, held={self._held}, closed={self._closed})"
+        auth = "" if self._keyring is None else f", key_id={self._keyring.current.key_id.hex()}"
+        return (
+            f"MemoryCache(max_bytes={self._max_bytes}, held={self._held}, "
+            f"closed={self._closed}{auth})"
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -64,7 +82,8 @@ class MemoryCache:
     def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """A fresh verified tensor per held key, None for a miss; hits become most recent.
 
-        An entry that fails verification is dropped, counted as corrupt and served as a miss.
+        An entry that fails verification is dropped, counted as corrupt (or forged, when
+        its MAC fails) and served as a miss.
         """
         self._check_open()
         texts = key_texts(keys, "get_embeddings")
@@ -73,20 +92,23 @@ class MemoryCache:
             found = [self._touch(text) for text in texts]
         results: list[torch.Tensor | None] = []
         corrupt: list[tuple[str, bytes]] = []
+        forged = 0
         for text, entry in zip(texts, found):
             if entry is None:
                 results.append(None)
                 continue
             try:
-                results.append(decode_entry(text, entry))
-            except CorruptEntry:
+                results.append(decode_entry(text, entry, keyring=self._keyring))
+            except CorruptEntry as exc:
+                forged += isinstance(exc, ForgedEntry)
                 corrupt.append((text, entry))
                 results.append(None)
         hits = sum(result is not None for result in results)
         with self._lock:
             self._hits += hits
             self._misses += len(results) - hits
-            self._corrupt += len(corrupt)
+            self._corrupt += len(corrupt) - forged
+            self._forged += forged
             for text, entry in corrupt:
                 if self._entries.get(text) is entry:
                     self._drop(text)
@@ -102,7 +124,8 @@ class MemoryCache:
         """
         self._check_open()
         texts, tensors = insert_args(keys, embeddings)
-        entries = [encode_entry(text, tensor) for text, tensor in zip(texts, tensors)]
+        keyring = self._keyring
+        entries = [encode_entry(t, tensor, keyring=keyring) for t, tensor in zip(texts, tensors)]
         with self._lock:
             self._check_open()
             for text, entry in zip(texts, entries):
@@ -127,6 +150,7 @@ class MemoryCache:
                 inserts=self._inserts,
                 evictions=self._evictions,
                 corrupt=self._corrupt,
+                forged=self._forged,
                 bytes_held=self._held,
                 entries=len(self._entries),
             )
