@@ -3,8 +3,11 @@
 Run: ``python benchmarks/bench_cache.py [--repeats N]``. The codec rows compare
 `encode_entry` with ``tobytes()`` and verified `decode_entry` with
 ``torch.frombuffer(...).clone()`` on the same bf16 tensors (target: decode at least 0.8 of
-the plain path from 64 KiB to 8 MiB). The MemoryCache rows give keys per second for
-batches of 1, 32 and 1000 keys. Each path keeps its best of N interleaved rounds.
+the plain path from 64 KiB to 8 MiB). The authenticated rows put entries signed with a
+fleet secret (BLAKE3 keyed MAC) beside unsigned ones, as the time ratio (target: verified
+authenticated reads at most 1.5x the unauthenticated ones). The MemoryCache rows give keys
+per second for batches of 1, 32 and 1000 keys, without and with a secret. Each path keeps
+its best of N interleaved rounds.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from functools import partial
 
 import torch
 
-from mmkey import EmbeddingKey, HashScheme, MemoryCache, Modality, mm_hash
+from mmkey import EmbeddingKey, EntryKeyring, HashScheme, MemoryCache, Modality, mm_hash
 from mmkey.cache.codec import decode_entry, encode_entry
 
 ENTRY_SIZES = (64 << 10, 256 << 10, 1 << 20, 8 << 20)
@@ -27,6 +30,9 @@ BATCHES = (1, 32, 1000)
 EMBEDDING = (8, 1024)
 """Shape of each MemoryCache test embedding (bf16, 16 KiB)."""
 DECODE_TARGET = 0.8
+AUTH_READ_TARGET = 1.5
+"""Authenticated reads take at most this many times the unauthenticated ones."""
+KEYRING = EntryKeyring.from_secrets(b"benchmark secret, 32 bytes or more")
 ROUND_S = 0.02
 
 
@@ -87,25 +93,55 @@ def codec_table(repeats: int) -> None:
               f"{'met' if dec >= DECODE_TARGET else 'missed':>6}")
 
 
-def memory_table(repeats: int) -> None:
-    print(f"\nMemoryCache (bf16 {list(EMBEDDING)} embeddings, 16 KiB each; thousands of keys/s)")
-    print(f"{'batch':>6} | {'insert_batch':>12} {'batch_is_exist':>14} {'get_embeddings':>14}")
-    for batch in BATCHES:
-        keys = [key(i) for i in range(batch)]
-        tensors = [torch.randn(*EMBEDDING).to(torch.bfloat16) for _ in keys]
-        cache = MemoryCache(1 << 30)
-        cache.insert_batch(keys, tensors)
+def auth_table(repeats: int) -> None:
+    print(f"\nauthenticated codec (bf16 [n, 1024]; GB/s of payload; cost = signed time / "
+          f"unsigned time; read target <= {AUTH_READ_TARGET})")
+    print(f"{'entry':>8} | {'encode':>8} {'signed':>8} {'cost':>6} | "
+          f"{'decode':>8} {'verified':>8} {'cost':>6} {'target':>6}")
+    text = key(1).to_key()
+    for size in ENTRY_SIZES:
+        t = torch.randn(size // 2048, 1024).to(torch.bfloat16)
         times = best_seconds(
             {
-                "insert": partial(cache.insert_batch, keys, tensors),
-                "exist": partial(cache.batch_is_exist, keys),
-                "get": partial(cache.get_embeddings, keys),
+                "encode": partial(encode_entry, text, t),
+                "signed": partial(encode_entry, text, t, keyring=KEYRING),
+                "decode": partial(decode_entry, text, encode_entry(text, t)),
+                "verified": partial(
+                    decode_entry, text, encode_entry(text, t, keyring=KEYRING), keyring=KEYRING
+                ),
             },
             repeats,
         )
-        rate = {name: batch / s / 1e3 for name, s in times.items()}
-        print(f"{batch:>6} | {rate['insert']:12.1f} {rate['exist']:14.1f} {rate['get']:14.1f}")
-        cache.close()
+        gbs = {name: size / s / 1e9 for name, s in times.items()}
+        enc, dec = times["signed"] / times["encode"], times["verified"] / times["decode"]
+        print(f"{size >> 10:>4} KiB | {gbs['encode']:8.2f} {gbs['signed']:8.2f} {enc:6.2f} | "
+              f"{gbs['decode']:8.2f} {gbs['verified']:8.2f} {dec:6.2f} "
+              f"{'met' if dec <= AUTH_READ_TARGET else 'missed':>6}")
+
+
+def memory_table(repeats: int) -> None:
+    print(f"\nMemoryCache (bf16 {list(EMBEDDING)} embeddings, 16 KiB each; thousands of keys/s; "
+          "signed: with a fleet secret)")
+    print(f"{'batch':>6} {'secret':>6} | {'insert_batch':>12} {'batch_is_exist':>14} "
+          f"{'get_embeddings':>14}")
+    for batch in BATCHES:
+        keys = [key(i) for i in range(batch)]
+        tensors = [torch.randn(*EMBEDDING).to(torch.bfloat16) for _ in keys]
+        for keyring in (None, KEYRING):
+            cache = MemoryCache(1 << 30, keyring=keyring)
+            cache.insert_batch(keys, tensors)
+            times = best_seconds(
+                {
+                    "insert": partial(cache.insert_batch, keys, tensors),
+                    "exist": partial(cache.batch_is_exist, keys),
+                    "get": partial(cache.get_embeddings, keys),
+                },
+                repeats,
+            )
+            rate = {name: batch / s / 1e3 for name, s in times.items()}
+            print(f"{batch:>6} {'signed' if keyring else 'none':>6} | {rate['insert']:12.1f} "
+                  f"{rate['exist']:14.1f} {rate['get']:14.1f}")
+            cache.close()
 
 
 def main() -> None:
@@ -116,6 +152,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} CPUs, {platform.machine()}; best of {args.repeats} rounds")
     codec_table(args.repeats)
+    auth_table(args.repeats)
     memory_table(args.repeats)
 
 
