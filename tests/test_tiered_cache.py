@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -181,3 +182,99 @@ def test_close_closes_both_tiers_once() -> None:
     ):
         with pytest.raises(StoreClosed):
             call()
+
+
+class HeldReads(MemoryCache):
+    """A real far tier whose next `get_embeddings` reads, then waits for `release` to return."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.holding = False
+        self.read_done = threading.Event()
+        self.release = threading.Event()
+
+    def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        found = super().get_embeddings(keys)
+        if self.holding:
+            self.holding = False
+            self.read_done.set()
+            assert self.release.wait(timeout=120)
+        return found
+
+
+def while_a_far_read_is_held(
+    l2: HeldReads, read: Callable[[], object], meanwhile: Callable[[], None]
+) -> object:
+    """Run `read` in a thread; once its `l2` read has read (but not returned), run `meanwhile`."""
+    got: list[object] = []
+    l2.holding = True
+    reader = threading.Thread(target=lambda: got.append(read()))
+    reader.start()
+    try:
+        assert l2.read_done.wait(timeout=120)
+        meanwhile()
+    finally:
+        l2.release.set()
+        reader.join(timeout=120)
+    assert not reader.is_alive() and len(got) == 1
+    return got[0]
+
+
+def test_a_promotion_never_overwrites_a_newer_insert() -> None:
+    l1, l2 = MemoryCache(1 << 20), HeldReads()
+    l2.insert_batch([key(1), key(2)], [emb(1), emb(2)])
+    cache = TieredCache(l1, l2)
+
+    def insert_v2() -> None:
+        assert cache.insert_batch([key(1)], [emb(100)]) == [True]
+
+    got = while_a_far_read_is_held(
+        l2, lambda: cache.get_embeddings([key(1), key(2)]), insert_v2
+    )
+    assert isinstance(got, list) and values(got) == [1.0, 2.0]  # read before the insert: V1
+    assert values(l1.get_embeddings([key(1), key(2)])) == [100.0, 2.0]  # key(2) promoted
+    assert values(cache.get_embeddings([key(1)])) == [100.0]
+    assert values(l2.get_embeddings([key(1)])) == [100.0]
+
+
+def test_a_prefetch_never_overwrites_a_newer_insert() -> None:
+    l1, l2 = MemoryCache(1 << 20), HeldReads()
+    l2.insert_batch([key(1), key(2)], [emb(1), emb(2)])
+    cache = TieredCache(l1, l2)
+
+    def insert_v2() -> None:
+        assert cache.insert_batch([key(1)], [emb(100)]) == [True]
+
+    got = while_a_far_read_is_held(l2, lambda: cache.prefetch([key(1), key(2)]), insert_v2)
+    assert got == 1  # key(2) promoted; key(1) left to the insert
+    assert values(l1.get_embeddings([key(1), key(2)])) == [100.0, 2.0]
+
+
+def test_a_write_of_another_key_during_the_far_read_does_not_stop_promotion() -> None:
+    l1, l2 = MemoryCache(1 << 20), HeldReads()
+    l2.insert_batch([key(1)], [emb(1)])
+    cache = TieredCache(l1, l2)
+
+    def insert_other() -> None:
+        assert cache.insert_batch([key(2)], [emb(2)]) == [True]
+
+    got = while_a_far_read_is_held(
+        l2, lambda: cache.get_embeddings([key(1)]), insert_other
+    )
+    assert isinstance(got, list) and values(got) == [1.0]
+    assert values(l1.get_embeddings([key(1), key(2)])) == [1.0, 2.0]
+
+
+def test_reads_in_flight_leave_no_state_behind_even_when_a_tier_raises() -> None:
+    class Exploding(MemoryCache):
+        def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+            raise RuntimeError("not a store error")
+
+    cache = TieredCache(MemoryCache(1 << 20), Exploding(1 << 20))
+    with pytest.raises(RuntimeError):
+        cache.get_embeddings([key(1)])
+    l2 = MemoryCache(1 << 20)
+    l2.insert_batch([key(2)], [emb(2)])
+    ok = TieredCache(MemoryCache(1 << 20), l2)
+    assert values(ok.get_embeddings([key(2), key(2), key(3)])) == [2.0, 2.0, None]
+    assert cache._near_writes._reads == {} and ok._near_writes._reads == {}

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from mmkey.cache._guard import insert_args, key_texts, sync_cache
@@ -27,14 +28,73 @@ def _refused(n: int) -> list[bool]:
     return [False] * n
 
 
+class _Read:
+    """A read of the far tier in flight: the keys written into `l1` since it began."""
+
+    __slots__ = ("overtaken",)
+
+    def __init__(self) -> None:
+        self.overtaken: set[str] = set()
+
+
+class _NearWrites:
+    """Orders the writes into the near tier so that a promotion never lands on a newer value.
+
+    Writes into `l1` (inserts and promotions) run one at a time under `writing`. Reads of
+    `l2` register their keys for their duration under `reading`; an insert marks the keys it
+    writes as overtaken in every registered read, and a promotion (inside `writing`) skips
+    the keys its read had overtaken. State is kept only for reads in flight.
+    """
+
+    def __init__(self) -> None:
+        self._near = threading.Lock()  # held across each write into l1
+        self._registry = threading.Lock()  # guards _reads; never held across a tier call
+        self._reads: dict[str, list[_Read]] = {}
+
+    @contextlib.contextmanager
+    def reading(self, texts: Sequence[str]) -> Iterator[_Read]:
+        """Register a far read of `texts` for the block's duration."""
+        read = _Read()
+        distinct = set(texts)
+        with self._registry:
+            for text in distinct:
+                self._reads.setdefault(text, []).append(read)
+        try:
+            yield read
+        finally:
+            with self._registry:
+                for text in distinct:
+                    reads = self._reads[text]
+                    reads[:] = [r for r in reads if r is not read]
+                    if not reads:
+                        del self._reads[text]
+
+    @contextlib.contextmanager
+    def writing(self, texts: Sequence[str]) -> Iterator[None]:
+        """Hold the near tier for one write of `texts`, overtaking the reads in flight."""
+        with self._near:
+            with self._registry:
+                for text in texts:
+                    for read in self._reads.get(text, ()):
+                        read.overtaken.add(text)
+            yield
+
+
 class TieredCache:
     """Read-through, write-through tiers: `l1` (near, small) in front of `l2` (far, large).
 
     Reads try `l1`, then `l2`, and promote `l2` hits into `l1`; writes go to `l2` then
-    `l1`; `prefetch` warms `l1` from `l2`. A tier raising `StoreError` counts as an error
-    and serves misses. The tiers belong to this cache: `close` closes both. Tiers compose:
-    either may itself be a `TieredCache`.
+    `l1`; `prefetch` warms `l1` from `l2`. A promotion never overwrites a newer write: a
+    read of `l2` that overlapped an `insert_batch` of the same key does not promote (its
+    value may be older), and writes into `l1` are ordered one at a time. A tier raising
+    `StoreError` counts as an error and serves misses. The tiers belong to this cache:
+    `close` closes both. Tiers compose: either may itself be a `TieredCache`.
     """
+
+    l1: EmbeddingCache
+    """The near tier: read first, written last, filled by promotions."""
+    l2: EmbeddingCache
+    """The far tier: read on an `l1` miss, written first."""
 
     def __init__(self, l1: EmbeddingCache, l2: EmbeddingCache) -> None:
         if l1 is l2:
@@ -42,6 +102,7 @@ class TieredCache:
         self.l1 = sync_cache(l1, "l1")
         self.l2 = sync_cache(l2, "l2")
         self._lock = threading.Lock()
+        self._near_writes = _NearWrites()
         self._closed = False
         self._hits = self._misses = self._inserts = self._errors = 0
 
@@ -77,22 +138,15 @@ class TieredCache:
     def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """Each key's tensor from `l1`, else from `l2` (then promoted to `l1`), else None."""
         self._check_open()
-        key_texts(keys, "get_embeddings")
+        texts = key_texts(keys, "get_embeddings")
         keys = list(keys)
         results = self._tier(lambda: self.l1.get_embeddings(keys), _misses(len(keys)))
         missing = [i for i, t in enumerate(results) if t is None]
         if missing:
-            far = [keys[i] for i in missing]
-            found = self._tier(lambda: self.l2.get_embeddings(far), _misses(len(far)))
-            promoted_keys: list[CacheKey] = []
-            promoted: list[torch.Tensor] = []
+            found, _ = self._read_far([keys[i] for i in missing], [texts[i] for i in missing])
             for i, tensor in zip(missing, found):
                 if tensor is not None:
                     results[i] = tensor
-                    promoted_keys.append(keys[i])
-                    promoted.append(tensor)
-            if promoted:
-                self._tier(lambda: self.l1.insert_batch(promoted_keys, promoted), _refused(0))
         hits = sum(t is not None for t in results)
         with self._lock:
             self._hits += hits
@@ -104,31 +158,54 @@ class TieredCache:
     ) -> list[bool]:
         """Write each embedding to `l2`, then `l1`; whether each key is held in either."""
         self._check_open()
-        insert_args(keys, embeddings)
+        texts, _ = insert_args(keys, embeddings)
         keys, tensors = list(keys), list(embeddings)
         in_l2 = self._tier(lambda: self.l2.insert_batch(keys, tensors), _refused(len(keys)))
-        in_l1 = self._tier(lambda: self.l1.insert_batch(keys, tensors), _refused(len(keys)))
+        with self._near_writes.writing(texts):
+            in_l1 = self._tier(lambda: self.l1.insert_batch(keys, tensors), _refused(len(keys)))
         held = [a or b for a, b in zip(in_l1, in_l2)]
         with self._lock:
             self._inserts += sum(held)
         return held
 
     def prefetch(self, keys: Sequence[CacheKey]) -> int:
-        """Copy the keys held only in `l2` into `l1`; how many are now held in `l1`."""
+        """Copy the keys held only in `l2` into `l1`; how many are now held in `l1`.
+
+        A key written by a concurrent `insert_batch` is left to that write (not counted).
+        """
         self._check_open()
-        key_texts(keys, "prefetch")
+        texts = key_texts(keys, "prefetch")
         keys = list(keys)
         near = self._tier(lambda: self.l1.batch_is_exist(keys), _refused(len(keys)))
-        far = [key for key, h in zip(keys, near) if not h]
+        far = [i for i, h in enumerate(near) if not h]
         if not far:
             return sum(near)
-        found = self._tier(lambda: self.l2.get_embeddings(far), _misses(len(far)))
-        warm_keys = [key for key, t in zip(far, found) if t is not None]
-        warm = [t for t in found if t is not None]
-        if not warm:
-            return sum(near)
-        stored = self._tier(lambda: self.l1.insert_batch(warm_keys, warm), _refused(0))
-        return sum(near) + sum(stored)
+        _, promoted = self._read_far([keys[i] for i in far], [texts[i] for i in far])
+        return sum(near) + promoted
+
+    def _read_far(
+        self, keys: list[CacheKey], texts: list[str]
+    ) -> tuple[list[torch.Tensor | None], int]:
+        """`l2`'s answer for `keys`, its hits promoted into `l1`; how many promotions held.
+
+        A key written by `insert_batch` after this read began is not promoted: the value
+        read may predate that write, and the write has put its own value in `l1`.
+        """
+        with self._near_writes.reading(texts) as read:
+            found = self._tier(lambda: self.l2.get_embeddings(keys), _misses(len(keys)))
+            hits = [(k, t, v) for k, t, v in zip(keys, texts, found) if v is not None]
+            if not hits:
+                return found, 0
+            with self._near_writes.writing(()):
+                promote = [(k, v) for k, t, v in hits if t not in read.overtaken]
+                if not promote:
+                    return found, 0
+                promoted_keys = [k for k, _ in promote]
+                promoted = [v for _, v in promote]
+                held = self._tier(
+                    lambda: self.l1.insert_batch(promoted_keys, promoted), _refused(0)
+                )
+        return found, sum(held)
 
     def stats(self) -> CacheStats:
         """Hits, misses and inserts of this cache; the rest summed over both tiers."""
