@@ -154,7 +154,10 @@ def test_one_digest_per_item_and_equal_items_hash_equal() -> None:
     assert alone == [digests[1]], "an item's digest does not depend on its neighbours"
 
 
-@pytest.mark.parametrize("scheme", list(HashScheme))
+CONTENT_SCHEMES = [s for s in HashScheme if s.hashes_content]
+
+
+@pytest.mark.parametrize("scheme", CONTENT_SCHEMES)
 def test_grid_as_tensor_or_triples_gives_the_same_digests(scheme: HashScheme) -> None:
     feature, grids = request([4, 5, 6])
     expected = hashes_from_features(feature, grids, scheme=scheme)
@@ -324,12 +327,20 @@ def test_modality_and_scheme_are_part_of_the_key() -> None:
     cache, encode = DictCache(), CountingEncoder()
     feature, grids = request([1])
     for modality in Modality:
-        for scheme in HashScheme:
+        for scheme in CONTENT_SCHEMES:
             encode_with_cache(
                 feature, grids, encode=encode, cache=cache, namespace=NS,
                 modality=modality, scheme=scheme,
             )
-    assert encode.items_encoded == len(Modality) * len(HashScheme)
+    assert encode.items_encoded == len(Modality) * len(CONTENT_SCHEMES)
+
+
+def test_an_identifier_scheme_cannot_hash_features() -> None:
+    with pytest.raises(ValueError, match="identifier_digest"):
+        encode_with_cache(
+            *request([1]), encode=CountingEncoder(), cache=DictCache(), namespace=NS,
+            scheme=HashScheme.ID,
+        )
 
 
 def test_the_encoder_gets_zero_copy_views_where_it_can() -> None:
