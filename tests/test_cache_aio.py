@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -131,3 +132,155 @@ def test_close_closes_the_wrapped_cache_and_refuses_later_calls() -> None:
             cache.stats()
 
     asyncio.run(main())
+
+
+class HeldInserts(MemoryCache):
+    """A real cache whose `insert_batch` waits for `release` before it reads anything."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def insert_batch(
+        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        self.entered.set()
+        assert self.release.wait(timeout=60)
+        return super().insert_batch(keys, embeddings)
+
+
+def held_copy_tensor(values: torch.Tensor, log: list[str]) -> torch.Tensor:
+    """`values` as a tensor whose copies (``.to``) are logged; the first waits for `release`."""
+    copying, release = threading.Event(), threading.Event()
+
+    class HeldCopy(torch.Tensor):
+        @classmethod
+        def __torch_function__(
+            cls,
+            func: Callable[..., Any],
+            types: Iterable[type],
+            args: Sequence[Any] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            if getattr(func, "__name__", "") != "to":
+                plain = super().__torch_function__
+                return plain(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+            log.append(f"copy on {threading.current_thread().name}")
+            if not copying.is_set():
+                copying.set()
+                assert release.wait(timeout=60)
+            with torch._C.DisableTorchFunctionSubclass():  # the copy is a plain tensor
+                return func(*args, **(kwargs or {}))
+
+    held = values.as_subclass(HeldCopy)
+    held.copying, held.release = copying, release  # type: ignore[attr-defined]
+    return held
+
+
+async def in_thread(wait: Callable[[], bool]) -> None:
+    assert await asyncio.to_thread(wait)
+
+
+def test_a_cancelled_insert_stores_its_copy_never_the_reused_buffer() -> None:
+    async def main(pool: ThreadPoolExecutor) -> HeldInserts:
+        inner = HeldInserts()
+        buffer = torch.full((16,), 1.0)
+        cache = AsyncCache(inner, executor=pool)
+        task = asyncio.create_task(cache.insert_batch([key(1)], [buffer]))
+        await in_thread(lambda: inner.entered.wait(timeout=60))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        buffer.fill_(2.0)  # the caller reuses its output buffer at once
+        inner.release.set()
+        return inner
+
+    with ThreadPoolExecutor(1) as pool:
+        inner = asyncio.run(main(pool))
+    got = inner.get_embeddings([key(1)])[0]  # the pool has finished the insert
+    assert got is not None and got.tolist() == [1.0] * 16
+
+
+def test_a_copy_taken_across_the_cancellation_is_dropped() -> None:
+    log: list[str] = []
+
+    async def main(pool: ThreadPoolExecutor) -> MemoryCache:
+        inner = MemoryCache(1 << 20)
+        buffer = held_copy_tensor(torch.full((16,), 1.0), log)
+        cache = AsyncCache(inner, executor=pool)
+        task = asyncio.create_task(cache.insert_batch([key(1)], [buffer]))
+        await in_thread(lambda: buffer.copying.wait(timeout=60))  # type: ignore[attr-defined]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        buffer.fill_(2.0)  # the copy in flight may read this
+        buffer.release.set()  # type: ignore[attr-defined]
+        return inner
+
+    with ThreadPoolExecutor(1, thread_name_prefix="mmkey-insert") as pool:
+        inner = asyncio.run(main(pool))
+    assert log == ["copy on mmkey-insert_0"]
+    assert inner.batch_is_exist([key(1)]) == [False]
+    assert inner.stats().inserts == 0
+
+
+def test_an_uncancelled_insert_copies_after_waiting_for_the_callers_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import mmkey.cache.aio
+
+    log: list[str] = []
+
+    class SpyReady:
+        def wait(self) -> None:
+            log.append(f"wait on {threading.current_thread().name}")
+
+    def spy_host_ready(tensors: Sequence[object]) -> SpyReady:
+        assert [t.tolist() for t in tensors if isinstance(t, torch.Tensor)] == [[3.0, 3.0]]
+        log.append(f"ready on {threading.current_thread().name}")
+        return SpyReady()
+
+    class Logged(MemoryCache):
+        def insert_batch(
+            self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
+        ) -> list[bool]:
+            log.append("insert")
+            return super().insert_batch(keys, embeddings)
+
+    monkeypatch.setattr(mmkey.cache.aio, "host_ready", spy_host_ready)
+
+    async def main(pool: ThreadPoolExecutor) -> list[bool]:
+        buffer = held_copy_tensor(torch.full((2,), 3.0), log)
+        buffer.release.set()  # type: ignore[attr-defined]
+        return await AsyncCache(Logged(1 << 20), executor=pool).insert_batch([key(1)], [buffer])
+
+    with ThreadPoolExecutor(1, thread_name_prefix="mmkey-insert") as pool:
+        assert asyncio.run(main(pool)) == [True]
+    loop_thread = threading.current_thread().name
+    assert log == [
+        f"ready on {loop_thread}",
+        "wait on mmkey-insert_0",
+        "copy on mmkey-insert_0",
+        "insert",
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_output_of_a_side_stream_is_stored_once_written() -> None:  # pragma: no cover
+    async def main(cache: AsyncCache) -> list[bool]:
+        x = torch.zeros(1 << 20, device="cuda")
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s of cycles
+            x.fill_(7.0)
+            held = await cache.insert_batch([key(1)], [x])
+        torch.cuda.synchronize()
+        return held
+
+    inner = MemoryCache(16 << 20)
+    assert asyncio.run(main(AsyncCache(inner))) == [True]
+    got = inner.get_embeddings([key(1)])[0]
+    assert got is not None and torch.equal(got, torch.full((1 << 20,), 7.0))
