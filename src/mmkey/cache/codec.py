@@ -14,8 +14,9 @@ An entry is a header followed by the tensor's bytes. All integers are little-end
     16      8         payload length P in bytes
     24      16        checksum: XXH3-128 (canonical, big-endian) of bytes [0, 24) and [C, H + P)
     -- authenticated entries only (flag 1); C = 72 and S = 80 for them, C = S = 40 otherwise:
-    40      32        MAC: BLAKE3 keyed hash of bytes [0, 40) and [72, H + P), with the MAC
-                      key derived from the secret: every byte but its own, checksum included
+    40      32        MAC: BLAKE3 keyed hash (under the MAC key derived from the secret) of
+                      bytes [0, 40) and [72, H), then the 32-byte BLAKE3 hash of the payload:
+                      every byte of the entry but the MAC's own, checksum included
     72      8         id of the secret whose derived MAC key made the MAC
     --
     S       8*ndim    shape, one u64 per dimension
@@ -266,13 +267,32 @@ def _checksum_hasher(head: memoryview, authenticated: bool, rt: _Runtime) -> Any
     return checksum
 
 
-def _mac_hasher(secret: EntrySecret, head: memoryview, payload_size: int) -> Any:
-    """A keyed hasher fed with the header bytes the MAC covers ([0, 40) and [72, H))."""
-    threads = -1 if payload_size >= _MAC_PARALLEL_FROM else 1  # blake3.AUTO is -1
-    mac = secret.hasher(threads)
-    mac.update(head[:_MAC_AT])
-    mac.update(head[_ID_AT:])
-    return mac
+class _Mac:
+    """An entry's MAC under construction: feed it the payload, then take `digest`.
+
+    The payload is hashed on its own from its first byte, which keeps BLAKE3 on its widest
+    SIMD path (hashing it after the header bytes in one stream ran at half the speed); the
+    keyed hash then covers the header bytes and that 32-byte payload hash.
+    """
+
+    __slots__ = ("_outer", "_payload")
+
+    def __init__(self, secret: EntrySecret, head: memoryview, payload_size: int) -> None:
+        import blake3
+
+        self._outer = secret.hasher()
+        self._outer.update(head[:_MAC_AT])
+        self._outer.update(head[_ID_AT:])
+        threads = blake3.blake3.AUTO if payload_size >= _MAC_PARALLEL_FROM else 1
+        self._payload = blake3.blake3(max_threads=threads)
+
+    def update(self, payload: Buffer) -> None:
+        self._payload.update(payload)
+
+    def digest(self) -> bytes:
+        """The MAC; call once, after the whole payload."""
+        self._outer.update(self._payload.digest())
+        return self._outer.digest()
 
 
 def _seal(head: bytearray, payload: Buffer, secret: EntrySecret | None, rt: _Runtime) -> None:
@@ -282,7 +302,7 @@ def _seal(head: bytearray, payload: Buffer, secret: EntrySecret | None, rt: _Run
     checksum.update(payload)
     view[_DIGEST_AT:_FIXED_SIZE] = checksum.digest()
     if secret is not None:
-        mac = _mac_hasher(secret, view, memoryview(payload).nbytes)
+        mac = _Mac(secret, view, memoryview(payload).nbytes)
         mac.update(payload)
         view[_MAC_AT:_ID_AT] = mac.digest()
 
@@ -465,7 +485,7 @@ def decode_entry(
         verifier = _checksum_hasher(view[:head], authenticated, rt)
         expected = view[_DIGEST_AT:_FIXED_SIZE]
     else:
-        verifier = _mac_hasher(secret, view[:head], payload)
+        verifier = _Mac(secret, view[:head], payload)
         expected = view[_MAC_AT:_ID_AT]
     if copy and 0 < payload <= _FUSED_MAX:
         # Copy, then hash the copy while it is still in cache: one pass over the payload,
