@@ -47,13 +47,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import attrs
 
 from mmkey._tensors import plain_cpu
+from mmkey.cache.auth import EntryKeyring
 from mmkey.errors import CorruptEntry, ForgedEntry, InvalidKey
 
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer
 
-    from mmkey.cache.auth import EntryKeyring, EntrySecret
+    from mmkey.cache.auth import EntrySecret
 
 __all__ = [
     "DTYPE_CODES",
@@ -229,8 +230,6 @@ def _signer(keyring: EntryKeyring | None) -> EntrySecret | None:
     """The secret new entries are signed with: the keyring's current one, if any."""
     if keyring is None:
         return None
-    from mmkey.cache.auth import EntryKeyring
-
     value: object = keyring
     if not isinstance(value, EntryKeyring):
         raise TypeError(
