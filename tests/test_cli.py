@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -196,6 +197,21 @@ def test_demo_runs_the_main_job_and_prints_a_summary() -> None:
     ):
         assert row in out, row
     assert "memory (MemoryCache" in out
+    encoded = int(_row(out, "encoder calls").split()[0])
+    held = re.fullmatch(r"(\d+) entries, (\d+\.\d) MB", _row(out, "cache held"))
+    assert held is not None, _row(out, "cache held")
+    assert int(held[1]) == encoded > 0  # nothing is evicted from 256 MiB
+    assert float(held[2]) > 0
+    assert "written by this client" not in out
+
+
+def _row(table: str, name: str) -> str:
+    """The value cell of the summary row `name` (rich draws `│ name │ value │`)."""
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 2 and cells[0] == name:
+            return cells[1]
+    raise AssertionError(f"no row {name!r} in:\n{table}")
 
 
 def test_demo_on_mooncake_without_a_master_says_how_to_name_one() -> None:
@@ -219,6 +235,38 @@ def test_demo_on_a_real_mooncake_store(mooncake_master: MasterProcess) -> None:
     hits = next(line for line in proc.stdout.splitlines() if "cache hits" in line)
     assert int(hits.split()[-2]) > 0, hits
     assert "0 swallowed" in proc.stdout
+    # a remote store's client does not pretend to know what the store holds
+    assert _row(proc.stdout, "cache held").startswith("unknown")
+    assert _row(proc.stdout, "written by this client") == "2 entries"
+    assert "not asked" in _row(proc.stdout, "store, master's count")
+
+
+@pytest.mark.mooncake
+def test_demo_on_mooncake_reports_the_masters_counts(mooncake_master: MasterProcess) -> None:
+    env = {"MOONCAKE_MASTER": mooncake_master.address, "MC_LOG_LEVEL": "ERROR"}
+    metrics = f"127.0.0.1:{mooncake_master.metrics_port}"
+    proc = mmkey("demo", "--store", "mooncake", "--requests", "6", "--pool", "5", "--no-baseline",
+                 "--master-metrics", metrics, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    encoded = int(_row(proc.stdout, "encoder calls").split()[0])
+    assert _row(proc.stdout, "written by this client") == f"{encoded} entries"
+    usage = re.fullmatch(
+        r"(\d+) keys, (\d+\.\d) MB of \d+ MB in 1 segment\(s\), all clients",
+        _row(proc.stdout, "store, master's count"),
+    )
+    assert usage is not None, _row(proc.stdout, "store, master's count")
+    assert int(usage[1]) == encoded and float(usage[2]) > 0  # only this demo wrote
+    # a metrics endpoint that does not answer: said, not guessed
+    silent = mmkey("demo", "--store", "mooncake", "--requests", "2", "--pool", "2", "--no-baseline",
+                   "--master-metrics", "127.0.0.1:9", env=env)
+    assert silent.returncode == 0, silent.stderr[-2000:]
+    assert _row(silent.stdout, "store, master's count").startswith("unknown: no answer")
+
+
+def test_demo_refuses_a_malformed_metrics_address() -> None:
+    proc = mmkey("demo", "--master-metrics", "nohost", "--requests", "1")
+    assert proc.returncode == 2 and "--master-metrics" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_bench_measures_each_scheme_against_memory_bandwidth() -> None:

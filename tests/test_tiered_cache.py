@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
+import attrs
 import pytest
 import torch
 
@@ -138,7 +139,8 @@ def test_a_failing_tier_serves_misses_and_counts_errors() -> None:
     assert cache.prefetch([key(1), key(2)]) == 1
     stats = cache.stats()
     assert stats.errors == 5  # insert, get, exist, prefetch's read, stats of l2
-    assert (stats.hits, stats.misses, stats.bytes_held) == (1, 1, SIZE)
+    assert (stats.hits, stats.misses) == (1, 1)
+    assert (stats.bytes_held, stats.entries) == (None, None)  # the far tier could not say
 
 
 def test_a_failing_near_tier_still_reads_the_far_one() -> None:
@@ -155,6 +157,21 @@ def test_stats_sum_the_tiers_storage() -> None:
     cache.insert_batch([key(1), key(2)], [emb(1), emb(2)])
     stats = cache.stats()
     assert (stats.bytes_held, stats.entries, stats.evictions) == (3 * SIZE, 3, 1)
+
+
+class RemoteTier(MemoryCache):
+    """A tier that, like a client of a remote store, cannot know what it holds."""
+
+    def stats(self) -> CacheStats:
+        return attrs.evolve(super().stats(), bytes_held=None, entries=None)
+
+
+def test_stats_are_unknown_when_a_tier_does_not_know_its_own() -> None:
+    cache = TieredCache(MemoryCache(1 << 20), RemoteTier(1 << 20))
+    cache.insert_batch([key(1)], [emb(1)])
+    stats = cache.stats()
+    assert (stats.bytes_held, stats.entries, stats.inserts) == (None, None, 1)
+    assert cache.l1.stats().entries == 1
 
 
 def test_tiers_compose() -> None:

@@ -37,10 +37,11 @@ class CacheStats:
     skipped: int = 0
     """Calls answered without asking the store (served as misses or failed inserts): the
     store was known to be down, or every copy of an entry sat on a failed holder."""
-    bytes_held: int = 0
-    """Encoded bytes held by this cache (0 where the store holds them elsewhere)."""
-    entries: int = 0
-    """Entries held by this cache (0 where unknown)."""
+    bytes_held: int | None = None
+    """Encoded bytes this cache holds, or ``None`` where it cannot know: a client of a remote
+    store, whose entries live in other processes, says so instead of reporting 0."""
+    entries: int | None = None
+    """Entries this cache holds, or ``None`` where it cannot know (see `bytes_held`)."""
 
     @property
     def hit_rate(self) -> float:

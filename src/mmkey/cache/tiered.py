@@ -222,8 +222,8 @@ class TieredCache:
                 errors=self._errors + s1.errors + s2.errors,
                 forged=s1.forged + s2.forged,
                 skipped=s1.skipped + s2.skipped,
-                bytes_held=s1.bytes_held + s2.bytes_held,
-                entries=s1.entries + s2.entries,
+                bytes_held=_known_sum(s1.bytes_held, s2.bytes_held),
+                entries=_known_sum(s1.entries, s2.entries),
             )
 
     def close(self) -> None:
@@ -235,3 +235,8 @@ class TieredCache:
             self.l1.close()
         finally:
             self.l2.close()
+
+
+def _known_sum(near: int | None, far: int | None) -> int | None:
+    """The sum over both tiers, or ``None`` when either tier does not know its own."""
+    return None if near is None or far is None else near + far

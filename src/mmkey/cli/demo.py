@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from mmkey.cache.protocol import EmbeddingCache
+    from mmkey.cache.store_usage import StoreUsage
     from mmkey.demo import DemoResult
     from mmkey.encoder import EncodeReport
 
@@ -53,7 +54,32 @@ def _mooncake_cache(master: str | None) -> EmbeddingCache:
     return cache
 
 
-def _summary(result: DemoResult, store: str) -> Table:
+def _held_rows(result: DemoResult, usage: StoreUsage | None, metrics: str | None) -> list[tuple[str, str]]:
+    """What the cache holds, as far as it is known: a remote store's client says it cannot know,
+    counts what it wrote, and adds the master's own counts when its metrics endpoint is given."""
+    stats = result.cache_stats
+    if stats.entries is not None and stats.bytes_held is not None:
+        return [("cache held", f"{stats.entries} entries, {stats.bytes_held / 1e6:.1f} MB")]
+    rows = [
+        ("cache held", "unknown to this client (the entries live in the store's holders)"),
+        ("written by this client", f"{stats.inserts} entries"),
+    ]
+    if usage is not None:
+        rows.append((
+            "store, master's count",
+            f"{usage.keys} keys, {usage.allocated_bytes / 1e6:.1f} MB of "
+            f"{usage.capacity_bytes / 1e6:.0f} MB in {usage.segments} segment(s), all clients",
+        ))
+    elif metrics is not None:
+        rows.append(("store, master's count", f"unknown: no answer from http://{metrics}/metrics"))
+    else:
+        rows.append(("store, master's count", "not asked (give --master-metrics HOST:PORT)"))
+    return rows
+
+
+def _summary(
+    result: DemoResult, store: str, usage: StoreUsage | None = None, metrics: str | None = None
+) -> Table:
     from rich.table import Table
 
     r = result.report
@@ -89,11 +115,8 @@ def _summary(result: DemoResult, store: str) -> Table:
         "time in cache calls",
         f"{(r.lookup_seconds + r.insert_seconds) * 1e3:.0f} ms",
     )
-    stats = result.cache_stats
-    table.add_row(
-        "cache held",
-        f"{stats.entries} entries, {stats.bytes_held / 1e6:.1f} MB",
-    )
+    for name, value in _held_rows(result, usage, metrics):
+        table.add_row(name, value)
     table.add_row(
         "cache failures",
         f"{r.cache_errors} swallowed, {r.stale} stale entries, "
@@ -117,6 +140,9 @@ def _summary(result: DemoResult, store: str) -> Table:
               show_default=True, help="memory: the embedded MemoryCache; mooncake: a store.")
 @click.option("--master", envvar="MOONCAKE_MASTER", metavar="HOST:PORT",
               help="Mooncake master for --store mooncake [env: MOONCAKE_MASTER].")
+@click.option("--master-metrics", envvar="MMKEY_MASTER_METRICS", metavar="HOST:PORT",
+              help="The master's metrics endpoint (its --metrics_port), to report what the "
+                   "store holds [env: MMKEY_MASTER_METRICS].")
 @click.option("--cache-mb", type=click.IntRange(1), default=256, show_default=True,
               help="Byte budget of the memory cache, in MiB.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
@@ -130,6 +156,7 @@ def demo(
     scheme: str,
     store: str,
     master: str | None,
+    master_metrics: str | None,
     cache_mb: int,
     baseline: bool,
     progress: bool,
@@ -144,6 +171,14 @@ def demo(
     from mmkey.demo import StreamConfig, VisionConfig, run_demo
     from mmkey.digest import HashScheme
 
+    if master_metrics is not None:
+        from mmkey._net import parse_host_port
+
+        try:
+            parse_host_port(master_metrics)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--master-metrics") from None
+    usage = None
     if store == "mooncake":
         cache = _mooncake_cache(master)
         where = f"mooncake ({master})" if master else "mooncake"
@@ -162,9 +197,13 @@ def demo(
                 baseline=baseline,
                 on_request=advance,
             )
+        if master_metrics is not None:  # before close: this client may lend memory itself
+            from mmkey.cache.store_usage import read_master_usage
+
+            usage = read_master_usage(master_metrics)
     finally:
         cache.close()
-    console.print(_summary(result, where))
+    console.print(_summary(result, where, usage, master_metrics))
 
 
 class _ProgressBar:

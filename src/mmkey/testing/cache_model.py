@@ -172,8 +172,10 @@ def make_cache_state_machine(
             assert isinstance(stats, CacheStats)
             assert stats.corrupt == 0 and stats.errors == 0
             assert stats.hits >= self.last.hits and stats.misses >= self.last.misses
-            assert stats.bytes_held >= 0 and stats.entries >= 0
+            assert stats.bytes_held is None or stats.bytes_held >= 0
+            assert stats.entries is None or stats.entries >= 0
             if max_bytes is not None:
+                assert stats.bytes_held is not None, "a cache with a byte budget knows what it holds"
                 assert stats.bytes_held <= max_bytes, f"{stats.bytes_held} > budget {max_bytes}"
             self.last = stats
 
