@@ -17,6 +17,7 @@ Run::
     python examples/encode_server.py --selftest 8      # serve 8 synthetic requests, check, exit
     python examples/encode_server.py --port 8765       # serve until interrupted
     python examples/encode_server.py --store mooncake --master 127.0.0.1:50051 --selftest 8
+    python examples/encode_server.py --metrics-port 9400   # also serve Prometheus /metrics
 """
 
 from __future__ import annotations
@@ -318,10 +319,27 @@ async def selftest(server: EncodeServer, count: int, clients: int, seed: int) ->
     return 0 if wrong == 0 else 1
 
 
+def serve_metrics(cache: EmbeddingCache, host: str, port: int) -> tuple[EmbeddingCache, Any]:
+    """Wrap `cache` in a `MeteredCache` and serve Prometheus ``/metrics`` on ``host:port``
+    (0 picks a free port); the metered cache and the HTTP server (``shutdown()`` it)."""
+    from prometheus_client import start_http_server
+
+    from mmkey.metrics import MeteredCache
+
+    metered = MeteredCache(cache, name="encode_server")
+    http, _ = start_http_server(port, addr=host)
+    print(f"metrics on http://{host}:{http.server_port}/metrics", flush=True)
+    return metered, http
+
+
 async def run(args: argparse.Namespace) -> int:
     """Build the server and serve (or run the self-test)."""
     vision = VisionConfig(dim=args.dim, depth=args.depth, heads=args.heads, seed=args.seed)
-    cache = AsyncCache(make_cache(args.store, args.master))
+    inner = make_cache(args.store, args.master)
+    metrics_http = None
+    if args.metrics_port is not None:
+        inner, metrics_http = serve_metrics(inner, args.host, args.metrics_port)
+    cache = AsyncCache(inner)
     batcher = VisionBatcher(TinyVisionEncoder(vision))
     server = EncodeServer(cache, batcher, namespace=vision.name)
     try:
@@ -335,6 +353,9 @@ async def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         await cache.close()
+        if metrics_http is not None:
+            metrics_http.shutdown()
+            metrics_http.server_close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -348,6 +369,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--selftest", type=int, default=0, metavar="N", help="serve N synthetic requests, exit"
     )
     parser.add_argument("--clients", type=int, default=3, help="concurrent self-test clients")
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, metavar="PORT",
+        help="serve Prometheus /metrics of the cache on this port (0: any free port)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dim", type=int, default=64, help="width of the vision encoder")
     parser.add_argument("--depth", type=int, default=2)

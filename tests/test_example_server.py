@@ -131,3 +131,51 @@ def test_a_garbled_message_is_answered_then_the_connection_closes() -> None:
         await writer.wait_closed()
 
     serve(server, scenario)
+
+
+def test_the_server_exports_cache_metrics_on_request() -> None:
+    import re
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--port", "0", "--metrics-port", "0", "--dim", "32",
+         "--depth", "1", "--heads", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline() + proc.stdout.readline()
+        metrics_port = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", banner)
+        server_port = re.search(r"encode server on 127\.0\.0\.1:(\d+),", banner)
+        assert metrics_port and server_port, banner
+        config = VisionConfig(dim=32, depth=1, heads=2)
+        requests = list(synthetic_requests(StreamConfig(requests=4, pool=2, seed=1), config))
+        replies = asyncio.run(
+            encode_server.request_embeddings(
+                "127.0.0.1", int(server_port[1]), [(r.pixel_values, r.grid_thw) for r in requests]
+            )
+        )
+        hits = sum(reply["hits"] for reply in replies)
+        encoded = sum(reply["encoded"] for reply in replies)
+        assert hits > 0 and encoded > 0
+        url = f"http://127.0.0.1:{metrics_port[1]}/metrics"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=10) as response:
+            text = response.read().decode()
+        values = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("mmkey_cache_")
+        }
+        label = 'cache="encode_server"'
+        assert values[f"mmkey_cache_hits_total{{{label}}}"] == hits
+        assert values[f"mmkey_cache_inserts_total{{{label}}}"] == encoded
+        assert values[f"mmkey_cache_entries{{{label}}}"] == encoded
+        calls = values[f'mmkey_cache_call_seconds_count{{{label},operation="batch_is_exist"}}']
+        assert calls == len(requests)
+        assert values[f'mmkey_cache_call_seconds_sum{{{label},operation="batch_is_exist"}}'] > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

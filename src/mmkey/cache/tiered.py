@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from mmkey.cache._guard import insert_args, key_texts, sync_cache
+from mmkey.cache.health import CacheHealth, health_of
 from mmkey.cache.protocol import CacheStats, EmbeddingCache
 from mmkey.errors import StoreClosed, StoreError
 from mmkey.keys import CacheKey
@@ -206,6 +207,15 @@ class TieredCache:
                     lambda: self.l1.insert_batch(promoted_keys, promoted), _refused(0)
                 )
         return found, sum(held)
+
+    def health(self) -> CacheHealth:
+        """Both tiers' `CacheHealth` merged (tiers without a store report nothing to merge)."""
+        report = CacheHealth()
+        for tier in (self.l1, self.l2):
+            tier_report = health_of(tier)
+            if tier_report is not None:
+                report = report.merged(tier_report)
+        return report
 
     def stats(self) -> CacheStats:
         """Hits, misses and inserts of this cache; the rest summed over both tiers."""
