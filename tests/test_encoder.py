@@ -545,3 +545,94 @@ def test_any_request_gets_its_own_embeddings_and_encodes_each_miss_once(
     assert len(out) == len(ids)
     assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out, ids))
     assert encode.items_encoded - before == len(set(ids) - cached)
+
+
+class DeviceEncoder(CountingEncoder):
+    """A CountingEncoder whose outputs land on `device` (meta stands in for a GPU here)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = device
+
+    def __call__(self, features: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        return [e.to(self.device) for e in super().__call__(features, grid_thw)]
+
+
+def cache_holding(ids: Sequence[int]) -> MemoryCache:
+    cache = MemoryCache(1 << 20)
+    encode_with_cache(*request(ids), encode=CountingEncoder(), cache=cache, namespace=NS)
+    return cache
+
+
+def devices(embeddings: Sequence[torch.Tensor]) -> set[str]:
+    return {str(e.device) for e in embeddings}
+
+
+def test_a_partly_cached_request_comes_back_on_the_encoders_device() -> None:
+    cache, encode = cache_holding([1]), DeviceEncoder("meta")
+    result = encode_with_cache_report(
+        *request([1, 2, 1]), encode=encode, cache=cache, namespace=NS
+    )
+    assert (result.report.hits, result.report.encoded) == (1, 1)
+    assert devices(result.embeddings) == {"meta"}
+    assert result.embeddings[0] is result.embeddings[2], "duplicates still share one tensor"
+    assert result.embeddings[0].shape == reference(*item(1)).shape
+
+
+def test_the_device_argument_puts_every_embedding_there() -> None:
+    cache = cache_holding([1])
+    out = encode_with_cache(
+        *request([1, 2]), encode=CountingEncoder(), cache=cache, namespace=NS, device="meta"
+    )
+    assert devices(out) == {"meta"}
+    hits_only = encode_with_cache(
+        *request([1, 2]), encode=CountingEncoder(), cache=cache, namespace=NS,
+        device=torch.device("meta"),
+    )
+    assert devices(hits_only) == {"meta"}
+    on_cpu = encode_with_cache(
+        *request([1, 3]), encode=CountingEncoder(), cache=cache, namespace=NS, device="cpu"
+    )
+    assert devices(on_cpu) == {"cpu"}
+    assert torch.equal(on_cpu[1], reference(*item(3)))
+
+
+def test_every_hit_comes_back_on_the_features_device() -> None:
+    cache = cache_holding([1, 2])
+    result = encode_with_cache_report(
+        *request([2, 1]), encode=DeviceEncoder("meta"), cache=cache, namespace=NS
+    )
+    assert result.report.encoded == 0
+    assert devices(result.embeddings) == {"cpu"}
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "match"),
+    [(0, TypeError, "torch.device or device text"), ("gpu:0", ValueError, "'gpu:0' is not")],
+)
+def test_a_bad_device_is_refused_before_any_work(device: Any, error: type, match: str) -> None:
+    encode, cache = CountingEncoder(), DictCache()
+    with pytest.raises(error, match=match):
+        encode_with_cache(*request([1]), encode=encode, cache=cache, namespace=NS, device=device)
+    assert encode.calls == [] and cache.calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_encoder_outputs_and_cpu_hits_come_back_on_one_device() -> None:  # pragma: no cover
+    cache = cache_holding([1])
+    out = encode_with_cache(
+        *request([1, 2]), encode=DeviceEncoder("cuda"), cache=cache, namespace=NS
+    )
+    assert devices(out) == {"cuda:0"}
+    torch.cat(out)  # the call that failed on partial hits
+    assert torch.equal(out[0].cpu(), reference(*item(1)))
+    on_cpu = encode_with_cache(
+        *request([1, 3]), encode=DeviceEncoder("cuda"), cache=cache, namespace=NS, device="cpu"
+    )
+    assert devices(on_cpu) == {"cpu"}
+    feature, grids = request([1, 2])
+    all_hits = encode_with_cache(
+        feature.cuda(), grids, encode=DeviceEncoder("cuda"), cache=cache, namespace=NS
+    )
+    assert devices(all_hits) == {"cuda:0"}

@@ -196,3 +196,85 @@ def test_malformed_features_are_a_type_error_in_the_async_twin(feature: Any) -> 
             await aencode_with_cache(feature, encode=encode, cache=None, namespace=NS)
 
     asyncio.run(main())
+
+
+def test_the_async_twin_returns_one_device_too() -> None:
+    from test_encoder import DeviceEncoder, cache_holding, devices
+
+    async def main() -> None:
+        cache = AsyncCache(cache_holding([1]))
+        out = await aencode_with_cache(
+            *request([1, 2]), encode=DeviceEncoder("meta"), cache=cache, namespace=NS
+        )
+        assert devices(out) == {"meta"}
+        pinned = await aencode_with_cache_report(
+            *request([1, 3]), encode=CountingEncoder(), cache=cache, namespace=NS, device="meta"
+        )
+        assert devices(pinned.embeddings) == {"meta"} and pinned.report.hits == 1
+
+    asyncio.run(main())
+
+
+def test_offloaded_hashing_waits_for_the_callers_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    real = EncodePlan.build
+
+    class SpyReady:
+        def wait(self) -> None:
+            log.append(f"wait on {threading.current_thread().name}")
+
+    def spy_host_ready(tensors: Sequence[object]) -> SpyReady:
+        log.append(f"ready on {threading.current_thread().name} for {len(tensors)}")
+        return SpyReady()
+
+    def spy_build(*args: Any, **kwargs: Any) -> EncodePlan:
+        log.append(f"hash on {threading.current_thread().name}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mmkey.encoder.cached, "host_ready", spy_host_ready)
+    monkeypatch.setattr(mmkey.encoder.cached, "OFFLOAD_HASH_BYTES", 1)
+    monkeypatch.setattr(EncodePlan, "build", spy_build)
+
+    async def main() -> None:
+        feature, grids = request([1, 2])
+        clips = [item(1)[0], item(2)[0]]
+        await aencode_with_cache(
+            feature, torch.tensor(grids), encode=CountingEncoder(), cache=None, namespace=NS
+        )
+        out = await aencode_with_cache(
+            clips, encode=lambda feats, _: [f.sum(0) for f in feats], cache=None, namespace=NS
+        )
+        assert torch.equal(out[1], clips[1].sum(0))
+
+    asyncio.run(main())
+    loop = threading.current_thread().name
+    assert [entry.split(" on ")[0] for entry in log] == ["ready", "wait", "hash"] * 2
+    assert log[0] == f"ready on {loop} for 2" and log[3] == f"ready on {loop} for 3"
+    assert all(loop not in entry for entry in log if not entry.startswith("ready"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_features_written_on_a_side_stream_hash_as_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # pragma: no cover
+    from mmkey.encoder import hashes_from_features
+
+    monkeypatch.setattr(mmkey.encoder.cached, "OFFLOAD_HASH_BYTES", 1)
+    cpu_feature, grids = request([1, 2])
+
+    async def main() -> list[torch.Tensor]:
+        feature = torch.zeros_like(cpu_feature, device="cuda")
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s of cycles
+            feature.copy_(cpu_feature, non_blocking=True)
+            result = await aencode_with_cache_report(
+                feature, grids, encode=CountingEncoder(), cache=None, namespace=NS
+            )
+        torch.cuda.synchronize()
+        assert [k.digest for k in result.keys] == hashes_from_features(cpu_feature, grids)
+        return result.embeddings
+
+    asyncio.run(main())

@@ -91,6 +91,12 @@ def encode_returns_tensors(feature: torch.Tensor, cache: MemoryCache) -> None:
         encode_with_cache(clips, encode=audio_tower, cache=cache, namespace="m"),
         list[torch.Tensor],
     )
+    encode_with_cache(
+        feature, [(1, 2, 2)], encode=vision_tower, cache=cache, namespace="m", device="cuda:0"
+    )
+    encode_with_cache(
+        clips, encode=audio_tower, cache=cache, namespace="m", device=torch.device("cpu")
+    )
 
 
 def encode_with_cache_is_strict(feature: torch.Tensor, cache: MemoryCache) -> None:
@@ -102,6 +108,8 @@ def encode_with_cache_is_strict(feature: torch.Tensor, cache: MemoryCache) -> No
     # the namespace is text, the modality and scheme are enum members
     encode_with_cache(feature, [(1, 2, 2)], encode=vision_tower, cache=cache, namespace=7)  # type: ignore[call-overload]  # pyright: ignore[reportArgumentType, reportCallIssue]
     encode_with_cache(feature, [(1, 2, 2)], encode=vision_tower, cache=cache, namespace="m", modality="image")  # type: ignore[call-overload]  # pyright: ignore[reportArgumentType, reportCallIssue]
+    # the device is a torch.device or its text, not a bare index
+    encode_with_cache(feature, [(1, 2, 2)], encode=vision_tower, cache=cache, namespace="m", device=0)  # type: ignore[call-overload]  # pyright: ignore[reportArgumentType, reportCallIssue]
     # every argument after the grids is keyword-only, and the cache must be named
     encode_with_cache(feature, [(1, 2, 2)], vision_tower, cache, "m")  # type: ignore[call-overload]  # pyright: ignore[reportCallIssue]
     encode_with_cache(feature, [(1, 2, 2)], encode=vision_tower, namespace="m")  # type: ignore[call-overload]  # pyright: ignore[reportCallIssue]

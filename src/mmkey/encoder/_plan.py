@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -21,7 +21,7 @@ from mmkey.encoder.items import Features, GridTHW, Items, digests_of, split_item
 from mmkey.encoder.report import EncodeReport, EncodeResult
 from mmkey.keys import EmbeddingKey
 
-__all__ = ["FAILED", "EncodePlan", "Failed"]
+__all__ = ["FAILED", "Device", "EncodePlan", "Failed"]
 
 logger = logging.getLogger("mmkey.encoder")
 
@@ -34,12 +34,37 @@ class Failed(enum.Enum):
 
 FAILED = Failed.FAILED
 
+Device: TypeAlias = "torch.device | str"
+"""Where the embeddings of a request are returned: a `torch.device` or its text ("cuda:0")."""
+
+
+def checked_device(device: object) -> torch.device | None:
+    """`device` as a `torch.device` (None stays None); `TypeError`/`ValueError` naming the fix."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(
+            f"device must be a torch.device or device text such as 'cuda:0', "
+            f"got {type(device).__name__}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r} is not a device: {exc}") from None
+
 
 class EncodePlan:
     """One request on its way through the cache and the encoder."""
 
-    def __init__(self, items: Items, keys: list[EmbeddingKey], hash_seconds: float) -> None:
+    def __init__(
+        self,
+        items: Items,
+        keys: list[EmbeddingKey],
+        hash_seconds: float,
+        device: torch.device | None = None,
+    ) -> None:
         self.items = items
+        self.device = device
         self.keys = keys
         slots: dict[EmbeddingKey, int] = {}
         self.slot_of_item = [slots.setdefault(k, len(slots)) for k in keys]
@@ -69,14 +94,16 @@ class EncodePlan:
         namespace: str,
         modality: Modality,
         scheme: HashScheme,
+        device: Device | None = None,
     ) -> EncodePlan:
         """Check the arguments, split and hash the items, and key them."""
         EmbeddingKey.for_digests(namespace, modality, scheme, [])  # a bad namespace fails first
+        target = checked_device(device)
         start = time.perf_counter()
         items = split_items(feature, grid_thw)
         digests = digests_of(items, scheme)
         keys = EmbeddingKey.for_digests(namespace, modality, scheme, digests)
-        return cls(items, keys, time.perf_counter() - start)
+        return cls(items, keys, time.perf_counter() - start, target)
 
     def lookup_keys(self) -> list[EmbeddingKey]:
         """The distinct keys of the request, in first-seen order."""
@@ -172,8 +199,24 @@ class EncodePlan:
         self.inserted += held
         self.insert_failures += n - held
 
+    def _target_device(self) -> torch.device | None:
+        """The requested device; else the encoder's (first output); else the features'."""
+        if self.device is not None:
+            return self.device
+        for slot in self.encoding:
+            encoded = self.found[slot]
+            if encoded is not None:
+                return encoded.device
+        rows = self.items.rows
+        return rows[0].device if rows else None
+
     def result(self) -> EncodeResult:
-        """The embeddings in input order, and the report of this call."""
+        """The embeddings in input order, all on one device, and the report of this call."""
+        target = self._target_device()
+        if target is not None:
+            self.found = [
+                t if t is None or t.device == target else t.to(target) for t in self.found
+            ]
         embeddings = [self.found[s] for s in self.slot_of_item]
         assert all(e is not None for e in embeddings), "every item is found or encoded"
         report = EncodeReport(

@@ -10,16 +10,18 @@ errors are logged, counted in `EncodeReport.cache_errors`, and the items are enc
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from typing import Any, TypeAlias, overload
+from typing import Any, TypeAlias, TypeVar, overload
 
 import torch
 
+from mmkey._tensors import HostReady, host_ready
 from mmkey.cache.protocol import AsyncEmbeddingCache, EmbeddingCache
 from mmkey.digest import HashScheme, Modality
-from mmkey.encoder._plan import FAILED, EncodePlan
+from mmkey.encoder._plan import FAILED, Device, EncodePlan
 from mmkey.encoder.items import Features, GridTHW
 from mmkey.encoder.report import EncodeResult
 
@@ -54,6 +56,8 @@ AsyncListEncoder: TypeAlias = Callable[
 ]
 """A `ListEncoder` that may be a coroutine function."""
 
+_T = TypeVar("_T")
+
 OFFLOAD_HASH_BYTES = 4 << 20
 """The async twin hashes requests of at least this many bytes in a worker thread."""
 
@@ -68,6 +72,7 @@ def encode_with_cache_report(
     namespace: str,
     modality: Modality = ...,
     scheme: HashScheme = ...,
+    device: Device | None = ...,
 ) -> EncodeResult: ...
 
 
@@ -81,6 +86,7 @@ def encode_with_cache_report(
     namespace: str,
     modality: Modality = ...,
     scheme: HashScheme = ...,
+    device: Device | None = ...,
 ) -> EncodeResult: ...
 
 
@@ -93,9 +99,10 @@ def encode_with_cache_report(
     namespace: str,
     modality: Modality = Modality.IMAGE,
     scheme: HashScheme = HashScheme.BLAKE3,
+    device: Device | None = None,
 ) -> EncodeResult:
     """`encode_with_cache`, also returning the `EncodeReport` of the call."""
-    return _encode(feature, grid_thw, encode, cache, namespace, modality, scheme)
+    return _encode(feature, grid_thw, encode, cache, namespace, modality, scheme, device)
 
 
 def _encode(
@@ -106,9 +113,10 @@ def _encode(
     namespace: str,
     modality: Modality,
     scheme: HashScheme,
+    device: Device | None,
 ) -> EncodeResult:
     plan = EncodePlan.build(
-        feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme
+        feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme, device=device
     )
     steps = _steps(plan, cached=cache is not None)
     result: object = None
@@ -161,6 +169,7 @@ def encode_with_cache(
     namespace: str,
     modality: Modality = ...,
     scheme: HashScheme = ...,
+    device: Device | None = ...,
 ) -> list[torch.Tensor]: ...
 
 
@@ -174,6 +183,7 @@ def encode_with_cache(
     namespace: str,
     modality: Modality = ...,
     scheme: HashScheme = ...,
+    device: Device | None = ...,
 ) -> list[torch.Tensor]: ...
 
 
@@ -186,6 +196,7 @@ def encode_with_cache(
     namespace: str,
     modality: Modality = Modality.IMAGE,
     scheme: HashScheme = HashScheme.BLAKE3,
+    device: Device | None = None,
 ) -> list[torch.Tensor]:
     """One embedding per item of a request, in input order; only misses are encoded.
 
@@ -193,11 +204,16 @@ def encode_with_cache(
     of tensors (one per item, e.g. audio). `encode` gets the missed items in the same
     layout and must return one embedding per missed item. Identical items are encoded
     once and share one tensor. `cache` None encodes everything (de-duplicated).
+    Every embedding comes back on one device: `device` when given; else the device of
+    the encoder's first output in this call; else (every item was a cache hit) the
+    device of the features. Pass `device` to get the same device on every call.
     A rows/grid mismatch is a `ValueError` naming the item; a bad encoder output is a
     `TypeError`/`ValueError`; cache failures are swallowed and counted (see
     `encode_with_cache_report`).
     """
-    return _encode(feature, grid_thw, encode, cache, namespace, modality, scheme).embeddings
+    return _encode(
+        feature, grid_thw, encode, cache, namespace, modality, scheme, device
+    ).embeddings
 
 
 def _call(
@@ -250,6 +266,7 @@ async def aencode_with_cache_report(
     namespace: str,
     modality: Modality = ...,
     scheme: HashScheme = ...,
+    device: Device | None = ...,
 ) -> EncodeResult: ...
 
 
@@ -263,6 +280,7 @@ async def aencode_with_cache_report(
     namespace: str,
     modality: Modality = ...,
     scheme: HashScheme = ...,
+    device: Device | None = ...,
 ) -> EncodeResult: ...
 
 
@@ -275,9 +293,10 @@ async def aencode_with_cache_report(
     namespace: str,
     modality: Modality = Modality.IMAGE,
     scheme: HashScheme = HashScheme.BLAKE3,
+    device: Device | None = None,
 ) -> EncodeResult:
     """`aencode_with_cache`, also returning the `EncodeReport` of the call."""
-    return await _aencode(feature, grid_thw, encode, cache, namespace, modality, scheme)
+    return await _aencode(feature, grid_thw, encode, cache, namespace, modality, scheme, device)
 
 
 async def _aencode(
@@ -288,14 +307,24 @@ async def _aencode(
     namespace: str,
     modality: Modality,
     scheme: HashScheme,
+    device: Device | None,
 ) -> EncodeResult:
-    build = EncodePlan.build
+    build = functools.partial(
+        EncodePlan.build,
+        feature,
+        grid_thw,
+        namespace=namespace,
+        modality=modality,
+        scheme=scheme,
+        device=device,
+    )
     if _nbytes(feature) >= OFFLOAD_HASH_BYTES:
-        plan = await asyncio.to_thread(
-            build, feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme
-        )
+        # the worker thread has its own current CUDA streams: it reads the features only
+        # once the caller's streams have finished writing them
+        ready = host_ready(_tensors_of(feature, grid_thw))
+        plan = await asyncio.to_thread(_when_ready, ready, build)
     else:
-        plan = build(feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme)
+        plan = build()
     steps = _steps(plan, cached=cache is not None)
     result: object = None
     try:
@@ -322,6 +351,7 @@ async def aencode_with_cache(
     namespace: str,
     modality: Modality = ...,
     scheme: HashScheme = ...,
+    device: Device | None = ...,
 ) -> list[torch.Tensor]: ...
 
 
@@ -335,6 +365,7 @@ async def aencode_with_cache(
     namespace: str,
     modality: Modality = ...,
     scheme: HashScheme = ...,
+    device: Device | None = ...,
 ) -> list[torch.Tensor]: ...
 
 
@@ -347,6 +378,7 @@ async def aencode_with_cache(
     namespace: str,
     modality: Modality = Modality.IMAGE,
     scheme: HashScheme = HashScheme.BLAKE3,
+    device: Device | None = None,
 ) -> list[torch.Tensor]:
     """The asyncio twin of `encode_with_cache`, over an `AsyncEmbeddingCache`.
 
@@ -354,8 +386,25 @@ async def aencode_with_cache(
     loop: wrap a slow model in ``asyncio.to_thread``). Requests of at least
     `OFFLOAD_HASH_BYTES` are hashed in a worker thread.
     """
-    result = await _aencode(feature, grid_thw, encode, cache, namespace, modality, scheme)
+    result = await _aencode(
+        feature, grid_thw, encode, cache, namespace, modality, scheme, device
+    )
     return result.embeddings
+
+
+def _when_ready(ready: HostReady, call: Callable[[], _T]) -> _T:
+    ready.wait()
+    return call()
+
+
+def _tensors_of(feature: object, grid_thw: object) -> list[object]:
+    """The tensors of a request that hashing reads: features and a grid tensor."""
+    tensors: list[object] = [grid_thw]
+    if isinstance(feature, (list, tuple)):
+        tensors.extend(feature)
+    else:
+        tensors.append(feature)
+    return tensors
 
 
 def _nbytes(feature: object) -> int:
