@@ -378,3 +378,13 @@ def test_sigterm_of_the_holder_is_graceful(mooncake_fleet: Fleet) -> None:
     while holder.is_running() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not holder.is_running()
+
+
+def test_two_namespaced_fleets_side_by_side(fleet_runs_here: None) -> None:
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with running_fleet(1, netns=True) as first, running_fleet(1, netns=True) as second:
+        assert first.client_host != second.client_host
+        assert first.holders[0].host.rsplit(".", 1)[0] != second.holders[0].host.rsplit(".", 1)[0]
+        assert first.holders[0].is_ready() and second.holders[0].is_ready()

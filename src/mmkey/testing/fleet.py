@@ -189,18 +189,28 @@ class _TestNetwork:
     def _make_bridge(self) -> None:
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         self._made_bridge = True
-        used = set(re.findall(rf"\b{re.escape(_SUBNET_PREFIX)}\.(\d+)\.", _run(["ip", "-o", "addr"]).stdout))
         start = os.getpid() % 250
         for offset in range(250):
             candidate = (start + offset) % 250 + 1
-            if str(candidate) not in used:
-                self.subnet = candidate
+            if self._subnet_users(candidate):
+                continue
+            address = f"{_SUBNET_PREFIX}.{candidate}.1"
+            _run(["ip", "addr", "add", f"{address}/24", "dev", self.bridge])
+            if self._subnet_users(candidate) == {self.bridge}:
+                self.subnet, self.host_address = candidate, address
                 break
+            # another test network took the same subnet at the same moment: move on
+            _run(["ip", "addr", "del", f"{address}/24", "dev", self.bridge], check=False)
         else:
             raise FleetStartError(f"no free {_SUBNET_PREFIX}.X.0/24 network for the test bridge")
-        self.host_address = f"{_SUBNET_PREFIX}.{self.subnet}.1"
-        _run(["ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge])
         _run(["ip", "link", "set", self.bridge, "up"])
+
+    @staticmethod
+    def _subnet_users(subnet: int) -> set[str]:
+        """Interfaces holding an address in ``10.213.<subnet>.0/24``."""
+        prefix = f" inet {_SUBNET_PREFIX}.{subnet}."
+        lines = _run(["ip", "-o", "-4", "addr"]).stdout.splitlines()
+        return {line.split()[1] for line in lines if prefix in line}
 
     def add_namespace(self, index: int) -> tuple[str, str, str, str]:
         """A namespace for holder ``index``: ``(netns, host-side link, inner link, address)``."""
