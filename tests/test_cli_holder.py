@@ -115,3 +115,12 @@ def test_entries_outlive_the_writer_while_the_holder_runs(mooncake_master: Maste
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_holder_is_listed_and_explains_itself() -> None:
+    listed = _mmkey("--help")
+    assert listed.returncode == 0 and "holder" in listed.stdout
+    proc = _mmkey("holder", "--help")
+    assert proc.returncode == 0
+    for option in ("--master", "--global-segment-size", "--port", "--http-port", "SIGTERM", "MOONCAKE_MASTER"):
+        assert option in proc.stdout, option
