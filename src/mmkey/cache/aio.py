@@ -9,12 +9,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from mmkey._tensors import HostReady, host_ready
-from mmkey.cache._guard import insert_args, sync_cache
+from mmkey.cache._guard import sync_cache
 from mmkey.cache.protocol import CacheStats, EmbeddingCache
 from mmkey.errors import StoreClosed
 from mmkey.keys import CacheKey
 
 if TYPE_CHECKING:
+    import asyncio
     from concurrent.futures import Executor
 
     import torch
@@ -36,26 +37,53 @@ def _ready(embeddings: object) -> HostReady:
     return HostReady()
 
 
-def _insert_copies(
-    cache: EmbeddingCache,
-    keys: Sequence[CacheKey],
-    embeddings: Sequence[torch.Tensor],
-    ready: HostReady,
-    abandoned: threading.Event,
-) -> list[bool]:
-    """In the worker: copy the embeddings once they are ready, then insert the copies.
+class _Insert:
+    """One `insert_batch` handed to a worker: it reads the caller's tensors only while it runs.
 
-    Nothing is inserted once `abandoned` is set: a copy that may have read the caller's
-    tensors after the caller stopped waiting is dropped.
+    `run` (in the worker) waits for the caller's CUDA work, then inserts. `abandon` (on the
+    caller's side) stops it if it has not started yet, and says whether it had.
     """
-    _, tensors = insert_args(keys, embeddings)
-    if abandoned.is_set():
-        return [False] * len(tensors)
-    ready.wait()
-    owned = [t.detach().to("cpu", copy=True) for t in tensors]
-    if abandoned.is_set():
-        return [False] * len(tensors)
-    return cache.insert_batch(keys, owned)
+
+    __slots__ = ("_abandoned", "_cache", "_embeddings", "_keys", "_lock", "_ready", "_started")
+
+    def __init__(
+        self,
+        cache: EmbeddingCache,
+        keys: Sequence[CacheKey],
+        embeddings: Sequence[torch.Tensor],
+        ready: HostReady,
+    ) -> None:
+        self._cache, self._keys, self._embeddings, self._ready = cache, keys, embeddings, ready
+        self._lock = threading.Lock()
+        self._started = self._abandoned = False
+
+    def run(self) -> list[bool]:
+        """In the worker: the wrapped insert, once the caller's streams are done (if wanted)."""
+        with self._lock:
+            if self._abandoned:
+                return []
+            self._started = True
+        self._ready.wait()
+        return self._cache.insert_batch(self._keys, self._embeddings)
+
+    def abandon(self) -> bool:
+        """Never start; whether it had already started (it then reads until it returns)."""
+        with self._lock:
+            self._abandoned = True
+            return self._started
+
+
+async def _settled(future: asyncio.Future[list[bool]]) -> None:
+    """Wait until `future` is done, through any further cancellation; drop its outcome."""
+    import asyncio
+
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            continue
+    if not future.cancelled():
+        future.exception()  # retrieved: an abandoned call's failure is nobody's to raise
 
 
 class AsyncCache:
@@ -63,9 +91,9 @@ class AsyncCache:
 
     The event loop never waits on the cache's locks, hashing or store calls. Calls run in
     `executor`, or the loop's default executor when None. Argument checks happen in the
-    worker, so errors surface from the ``await``. A cancelled call still finishes in its
-    thread, but a cancelled `insert_batch` stores nothing read after its cancellation (see
-    there). `close` closes the wrapped cache.
+    worker, so errors surface from the ``await``. A cancelled read still finishes in its
+    thread; a cancelled `insert_batch` returns only once its worker stopped reading the
+    caller's tensors (see there). `close` closes the wrapped cache.
     """
 
     def __init__(self, cache: EmbeddingCache, *, executor: Executor | None = None) -> None:
@@ -81,16 +109,17 @@ class AsyncCache:
     def __repr__(self) -> str:
         return f"AsyncCache({self._cache!r})"
 
-    async def _run(self, call: Callable[..., _T], *args: object) -> _T:
+    def _submit(self, call: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
         if self._closed:
             raise StoreClosed("this AsyncCache is closed; create a new one")
         import asyncio  # not at `import mmkey`: it costs more than the rest together
 
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
-        return await loop.run_in_executor(
-            self._executor, functools.partial(context.run, call, *args)
-        )
+        return loop.run_in_executor(self._executor, functools.partial(context.run, call, *args))
+
+    async def _run(self, call: Callable[..., _T], *args: object) -> _T:
+        return await self._submit(call, *args)
 
     async def batch_is_exist(self, keys: Sequence[CacheKey]) -> list[bool]:
         """Whether each key is held, in order."""
@@ -105,21 +134,27 @@ class AsyncCache:
     ) -> list[bool]:
         """Store one embedding per key; whether each is held afterwards.
 
-        The worker stores CPU copies of the embeddings, taken once the caller's CUDA work
-        on them is done (an event recorded here, on the caller's thread, on its current
-        streams: see `mmkey._tensors.host_ready`), so output written on a side stream is
-        never read early. If the call is cancelled, a copy finished before the cancellation
-        may still be stored, but nothing the worker reads afterwards is: the caller may
-        reuse its buffers as soon as the ``await`` raises `asyncio.CancelledError`.
+        The worker reads CUDA embeddings only once the caller's work on them is done: an
+        event is recorded here, on the caller's thread, on its current streams (see
+        `mmkey._tensors.host_ready`), so output written on a side stream is never stored
+        early. Cancelled before its worker started, the insert never runs; cancelled while
+        it runs, the ``await`` raises `asyncio.CancelledError` only once the wrapped insert
+        has returned (no longer than that cache's own deadline). Either way the caller may
+        reuse its buffers as soon as the ``await`` raised: no copy is taken.
         """
+        import asyncio
+
         keys, embeddings = _snapshot(keys), _snapshot(embeddings)
-        ready = _ready(embeddings)
-        abandoned = threading.Event()
-        insert = functools.partial(_insert_copies, self._cache, keys, embeddings, ready, abandoned)
+        job = _Insert(self._cache, keys, embeddings, _ready(embeddings))
+        pending = self._submit(job.run)
         try:
-            return await self._run(insert)
-        except BaseException:  # cancelled (or interrupted): the caller owns its tensors again
-            abandoned.set()
+            return await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            if job.abandon():
+                await _settled(pending)
+            raise
+        except BaseException:
+            job.abandon()
             raise
 
     async def prefetch(self, keys: Sequence[CacheKey]) -> int:
