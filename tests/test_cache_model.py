@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import settings
 
-from mmkey import MemoryCache, TieredCache
+from mmkey import EntryKeyring, MemoryCache, TieredCache
 from mmkey.testing.cache_model import make_cache_state_machine
 
 MODEL_SETTINGS = settings(max_examples=100, stateful_step_count=30)
@@ -42,3 +42,14 @@ TestTieredNested = make_cache_state_machine(
     evicts=False,
 ).TestCase
 TestTieredNested.settings = MODEL_SETTINGS
+
+_RING_A = EntryKeyring.from_secrets(b"model test secret A, 32 bytes long")
+_RING_B = EntryKeyring.from_secrets(b"model test secret B, 32 bytes long")
+
+TestTieredSignedEvicting = make_cache_state_machine(
+    lambda: TieredCache(MemoryCache(1024, keyring=_RING_A), MemoryCache(SMALL, keyring=_RING_B)),
+    evicts=True,
+    max_bytes=1024 + SMALL,
+    max_numel=700,
+).TestCase
+TestTieredSignedEvicting.settings = MODEL_SETTINGS
