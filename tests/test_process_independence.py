@@ -8,10 +8,12 @@ import sys
 
 SCRIPT = """
 import torch
-from mmkey import EmbeddingKey, HashScheme, Modality, hash_bytes, hash_tensor
+from mmkey import EmbeddingKey, HashScheme, Modality, hash_bytes, hash_tensor, identifier_digest
 t = torch.arange(4096, dtype=torch.float32).reshape(64, 64).bfloat16()
 for s in HashScheme:
-    print(EmbeddingKey("ns@x", Modality.IMAGE, s, hash_tensor(t, s)).to_key(), hash_bytes(b"x", s))
+    if s.hashes_content:
+        print(EmbeddingKey("ns@x", Modality.IMAGE, s, hash_tensor(t, s)).to_key(), hash_bytes(b"x", s))
+print(EmbeddingKey("ns@x", Modality.IMAGE, HashScheme.ID, identifier_digest("img-1")).to_key())
 print(hash("randomised per process"))
 """
 
