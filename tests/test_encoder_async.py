@@ -263,15 +263,19 @@ def test_features_written_on_a_side_stream_hash_as_written(
     monkeypatch.setattr(mmkey.encoder.cached, "OFFLOAD_HASH_BYTES", 1)
     cpu_feature, grids = request([1, 2])
 
+    def encode(features: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.zeros(1, device=features.device) for _ in range(grid_thw.shape[0])]
+
     async def main() -> list[torch.Tensor]:
-        feature = torch.zeros_like(cpu_feature, device="cuda")
+        source = cpu_feature.cuda()
+        feature = torch.zeros_like(source)
         torch.cuda.synchronize()
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         with torch.cuda.stream(side):
             torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s of cycles
-            feature.copy_(cpu_feature, non_blocking=True)
+            feature.copy_(source)  # device to device: queued behind the sleep
             result = await aencode_with_cache_report(
-                feature, grids, encode=CountingEncoder(), cache=None, namespace=NS
+                feature, grids, encode=encode, cache=None, namespace=NS
             )
         torch.cuda.synchronize()
         assert [k.digest for k in result.keys] == hashes_from_features(cpu_feature, grids)
