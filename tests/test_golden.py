@@ -7,11 +7,10 @@ do not update the vectors, fix the code (a new format is ``mmk2``).
 from __future__ import annotations
 
 import hashlib
-
-import pytest
-import torch
+from typing import TYPE_CHECKING
 
 import blake3
+import pytest
 
 from mmkey import (
     EmbeddingKey,
@@ -23,8 +22,13 @@ from mmkey import (
     mm_hash,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 
 def fixed_tensors() -> dict[str, torch.Tensor]:
+    import torch
+
     grid = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     return {
         "f32_3x4": grid,
@@ -46,6 +50,7 @@ GOLDEN_BYTES = ("cc33c9f8a183096fd1f923f9f0b5056d", "5259948b730212d23d697c61a81
 SCHEMES = (HashScheme.BLAKE3, HashScheme.XXH3, HashScheme.SGLANG)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(GOLDEN_DIGESTS))
 def test_tensor_digests_never_change(name: str) -> None:
     t = fixed_tensors()[name]
@@ -58,8 +63,11 @@ def test_byte_digests_never_change() -> None:
     assert got == GOLDEN_BYTES
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(GOLDEN_DIGESTS))
 def test_sglang_vectors_agree_with_independent_sha256(name: str) -> None:
+    import torch
+
     raw = fixed_tensors()[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     assert GOLDEN_DIGESTS[name][2] == hashlib.sha256(raw).hexdigest()[:16]
 

@@ -71,12 +71,13 @@ class _Merger(nn.Module):
 
     def __init__(self, dim: int, out_dim: int, merge: int) -> None:
         super().__init__()
-        self.window = merge * merge
-        self.norm = nn.LayerNorm(dim)
+        self.window: int = merge * merge
+        self.norm: nn.LayerNorm = nn.LayerNorm(dim)
         hidden = dim * self.window
-        self.mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, out_dim))
+        self.mlp: nn.Sequential = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, dim]`` patch rows in, ``[n / merge**2, out_dim]`` merged tokens out."""
         merged = self.norm(x).reshape(-1, self.window * x.shape[-1])
         out: torch.Tensor = self.mlp(merged)
         return out
@@ -92,10 +93,10 @@ class TinyVisionEncoder(nn.Module):
         self.config = config
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            self.patch_embed = nn.Linear(config.row_features, config.dim, bias=False)
+            self.patch_embed: nn.Linear = nn.Linear(config.row_features, config.dim, bias=False)
             blocks = (_Block(config.dim, config.heads) for _ in range(config.depth))
-            self.blocks = nn.ModuleList(blocks)
-            self.merger = _Merger(config.dim, config.out_dim, config.merge)
+            self.blocks: nn.ModuleList = nn.ModuleList(blocks)
+            self.merger: _Merger = _Merger(config.dim, config.out_dim, config.merge)
         self.eval()
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:

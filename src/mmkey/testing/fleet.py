@@ -172,13 +172,13 @@ class _TestNetwork:
 
     def __init__(self) -> None:
         token = f"{os.getpid() % 100000:x}{next(_NAMES):x}"
-        self.bridge = f"mmkb{token}"[:15]
+        self.bridge: str = f"mmkb{token}"[:15]
         self._token = token
         self._namespaces: list[str] = []
         self._links: list[str] = []
         self._made_bridge = False
-        self.subnet = -1
-        self.host_address = ""
+        self.subnet: int = -1
+        self.host_address: str = ""
         _LIVE_NETS.add(self)
         try:
             self._make_bridge()

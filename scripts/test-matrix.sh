@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The checks on the oldest and the newest supported CPython (3.10 and 3.13 by default).
+#
+# Types: mypy (strict, the whole project) and pyright (typing_tests/) with --python-version
+# of each, run by the dev environment's checkers (torch's own annotations come from there).
+# Runtime: for each version whose interpreter this machine has, a venv of its own with
+# mmkey's dependencies but NOT torch (for other Pythons than the dev one, pip would take a
+# multi-GB CUDA build of torch), running the torch-free tests: key format, digests of bytes
+# and identifiers, the Mooncake configuration, the deadline runner, import cost and the
+# torch-free API. A version with no interpreter here is skipped with a line saying so.
+#
+# usage: scripts/test-matrix.sh [DEV_BIN]   (DEV_BIN: the dev venv's bin, default .venv/bin)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEV_BIN=${1:-.venv/bin}
+VERSIONS=${MMKEY_MATRIX_VERSIONS:-3.10 3.13}
+TORCH_FREE_TESTS=(
+    tests/test_keys.py
+    tests/test_key_properties.py
+    tests/test_digest.py
+    tests/test_golden.py
+    tests/test_mooncake_config.py
+    tests/test_deadline_runner.py
+    tests/test_import_cost.py
+    tests/test_without_torch.py
+)
+export PYRIGHT_PYTHON_IGNORE_WARNINGS=1
+
+# an interpreter for version $1: `python3.X` on PATH, else one that pyenv installed
+find_python() {
+    local version=$1 candidate
+    for candidate in "python$version" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$version".*/bin/"python$version"; do
+        if "$candidate" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$version'.split('.'))))" 2>/dev/null; then
+            command -v "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# mmkey's runtime dependencies without torch, plus the test runner
+torch_free_requirements() {
+    "$DEV_BIN/python" - <<'EOF'
+import tomllib
+
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+for requirement in project["dependencies"] + extras["testing"] + ["pytest-timeout>=2.2"]:
+    if not requirement.replace(" ", "").startswith("torch"):
+        print(requirement)
+EOF
+}
+
+for version in $VERSIONS; do
+    start=$SECONDS
+    echo "== Python $version: mypy and pyright with --python-version $version"
+    PYTHONPATH="$PWD/src" "$DEV_BIN/mypy" --python-version "$version"
+    "$DEV_BIN/pyright" --pythonpath "$DEV_BIN/python" --pythonversion "$version"
+
+    if ! python=$(find_python "$version"); then
+        echo "== Python $version: no interpreter on this machine; torch-free tests skipped"
+        continue
+    fi
+    venv=".venv-py$version"
+    stamp="$venv/.deps-$(torch_free_requirements | sha256sum | cut -c1-16)"
+    if [ ! -e "$stamp" ]; then
+        rm -rf "$venv"
+        "$python" -m venv "$venv"
+        torch_free_requirements | xargs "$venv/bin/python" -m pip install -q --disable-pip-version-check
+        touch "$stamp"
+    fi
+    echo "== Python $version ($python): torch-free tests, torch not installed"
+    "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \
+        || { echo "torch is installed in $venv: these runs must go without it"; exit 1; }
+    PYTHONPATH="$PWD/src" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+        -m "not torch" "${TORCH_FREE_TESTS[@]}"
+    echo "== Python $version: done in $((SECONDS - start)) s"
+done
