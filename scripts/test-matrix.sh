@@ -39,14 +39,15 @@ find_python() {
     return 1
 }
 
-# mmkey's runtime dependencies without torch, plus the test runner
+# mmkey's runtime dependencies without torch, the pure-Python extras, and the test runner
 torch_free_requirements() {
     "$DEV_BIN/python" - <<'EOF'
 import tomllib
 
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-for requirement in project["dependencies"] + extras["testing"] + ["pytest-timeout>=2.2"]:
+wanted = [r for name in ("testing", "metrics") for r in extras.get(name, [])]
+for requirement in project["dependencies"] + wanted + ["pytest-timeout>=2.2"]:
     if not requirement.replace(" ", "").startswith("torch"):
         print(requirement)
 EOF

@@ -36,9 +36,9 @@ try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
     from prometheus_client.registry import Collector
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
+except ImportError as _missing:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        f"mmkey.metrics needs prometheus_client ({exc}); pip install 'mmkey[metrics]'"
+        f"mmkey.metrics needs prometheus_client ({_missing}); pip install 'mmkey[metrics]'"
     ) from None
 
 if TYPE_CHECKING:
