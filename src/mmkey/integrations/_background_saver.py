@@ -1,0 +1,165 @@
+"""`BackgroundSaver`: writes embeddings to a cache on one thread, never blocking the caller.
+
+The caller's thread only records when its tensors are ready (a CUDA event per device, nothing
+for CPU tensors) and queues them; the saver thread waits for that point, then writes every
+queued entry with one `insert_batch`. Queued tensors are bounded by bytes: past the budget a
+save is dropped (counted), never waited for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import attrs
+
+from mmkey._tensors import HostReady, host_ready
+from mmkey.cache.protocol import EmbeddingCache
+from mmkey.keys import CacheKey
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BackgroundSaver", "SaverCounts"]
+
+
+@attrs.frozen(slots=True)
+class SaverCounts:
+    """What a `BackgroundSaver` did since it was made; a snapshot."""
+
+    saved: int = 0
+    """Entries the cache reported as stored."""
+    failed: int = 0
+    """Entries the cache did not store (a store fault, a refused insert, an exception)."""
+    dropped: int = 0
+    """Saves refused at once: the pending budget was full, or the saver was closed."""
+    pending_bytes: int = 0
+    """Bytes of tensors queued or being written now."""
+
+
+@attrs.define(slots=True)
+class _Job:
+    key: CacheKey
+    text: str
+    tensor: torch.Tensor
+    nbytes: int
+    ready: HostReady
+
+
+class BackgroundSaver:
+    """Saves (key, tensor) pairs to `cache` on a daemon thread, within `max_pending_bytes`.
+
+    `on_failure(message)` is called on the saver thread for every failed batch (the caller
+    rate-limits its logging); it must not raise.
+    """
+
+    def __init__(
+        self,
+        cache: EmbeddingCache,
+        max_pending_bytes: int,
+        on_failure: Callable[[str], None] = lambda _: None,
+        name: str = "mmkey-saver",
+    ) -> None:
+        if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int):
+            raise TypeError(f"max_pending_bytes must be an int, got {max_pending_bytes!r}")
+        if max_pending_bytes <= 0:
+            raise ValueError(f"max_pending_bytes must be > 0, got {max_pending_bytes}")
+        self._cache = cache
+        self._budget = max_pending_bytes
+        self._on_failure = on_failure
+        self._cond = threading.Condition()
+        self._queue: list[_Job] = []
+        self._queued_texts: set[str] = set()
+        self._pending_bytes = 0
+        self._busy = False
+        self._closed = False
+        self._saved = self._failed = self._dropped = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, key: CacheKey, tensor: torch.Tensor) -> bool:
+        """Queue one save; ``False`` when it was dropped (budget full or closed). Never waits.
+
+        A key already queued is not queued twice.
+        """
+        text = key.to_key()
+        nbytes = tensor.numel() * tensor.element_size()
+        ready = host_ready([tensor])
+        with self._cond:
+            if text in self._queued_texts:
+                return True
+            if self._closed or self._pending_bytes + nbytes > self._budget:
+                self._dropped += 1
+                return False
+            self._queue.append(_Job(key, text, tensor, nbytes, ready))
+            self._queued_texts.add(text)
+            self._pending_bytes += nbytes
+            self._cond.notify_all()
+        return True
+
+    def counts(self) -> SaverCounts:
+        """A snapshot of this saver's counters."""
+        with self._cond:
+            return SaverCounts(self._saved, self._failed, self._dropped, self._pending_bytes)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until every queued save has been written or failed."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float) -> bool:
+        """Stop taking saves, finish the queued ones for up to `timeout` s; whether all finished.
+
+        Saves still queued after the timeout are dropped (the thread is a daemon).
+        """
+        finished = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._dropped += len(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        if finished:
+            self._thread.join(timeout)
+        return finished
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+                self._busy = True
+            stored = self._write(batch)
+            with self._cond:
+                ok = sum(stored)
+                self._saved += ok
+                self._failed += len(batch) - ok
+                for job in batch:
+                    self._queued_texts.discard(job.text)
+                    self._pending_bytes -= job.nbytes
+                self._busy = False
+                self._cond.notify_all()
+            del batch  # release the tensors before waiting for more
+
+    def _write(self, batch: list[_Job]) -> list[bool]:
+        try:
+            for job in batch:
+                job.ready.wait()
+            stored = self._cache.insert_batch([j.key for j in batch], [j.tensor for j in batch])
+        except Exception as exc:  # a cache fault is a failed save, never the worker's problem
+            self._on_failure(f"{len(batch)} embedding save(s) raised {type(exc).__name__}: {exc}")
+            return [False] * len(batch)
+        failed = len(batch) - sum(stored)
+        if failed:
+            self._on_failure(f"{failed} of {len(batch)} embedding save(s) were not stored")
+        return stored

@@ -1,0 +1,178 @@
+"""Settings of the vLLM connector: keys for vLLM's identifiers, the namespace, the extra config.
+
+Nothing here imports vLLM: `mmkey.integrations.vllm` reads `VllmConfig` and hands plain
+values to these functions, so they are tested without the stack.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from mmkey.cache.mooncake_config import MooncakeConfig, parse_size
+from mmkey.digest import HashScheme, Modality
+from mmkey.hashing import identifier_digest
+from mmkey.keys import MAX_NAMESPACE_CHARS, EmbeddingKey
+
+__all__ = [
+    "EXTRA_CONFIG_KEYS",
+    "ConnectorSettings",
+    "StoreKind",
+    "identifier_key",
+    "modality_of",
+    "vllm_namespace",
+]
+
+EXTRA_CONFIG_KEYS = frozenset(
+    {"namespace", "store", "mooncake", "memory_max_bytes", "max_pending_save_bytes"}
+)
+"""The keys `MMKeyECConnector` reads from ``ec_connector_extra_config``; any other is an error."""
+
+_MODALITIES = {m.value: m for m in Modality}
+_TAG_HEX = 16
+
+
+class StoreKind(enum.Enum):
+    """Where the connector keeps embeddings."""
+
+    MOONCAKE = "mooncake"
+    """A Mooncake store shared by every node that reaches its master (`MooncakeCache`)."""
+    MEMORY = "memory"
+    """A `MemoryCache` in this process: shared by the scheduler and worker sides of one
+    single-process engine (tensor parallel size 1), seen by no other process."""
+
+
+def modality_of(name: str) -> Modality | None:
+    """The `Modality` of a vLLM modality name ("image", "video", "audio"), else ``None``.
+
+    Other modalities (``prompt_embeds`` passthrough, model-specific ones) are not cached.
+    """
+    return _MODALITIES.get(name)
+
+
+def identifier_key(namespace: str, modality: Modality, identifier: str) -> EmbeddingKey:
+    """The key of a vLLM identifier (an ``mm_hash`` or a caller's uuid, opaque text).
+
+    The digest is `identifier_digest` of the text under `HashScheme.ID`: two identifiers
+    never share a key, and nothing about the text is parsed or normalised.
+    """
+    return EmbeddingKey(namespace, modality, HashScheme.ID, identifier_digest(identifier))
+
+
+def vllm_namespace(model: str, revision: str | None, encoder_config: str, dtype: str) -> str:
+    """The namespace of embeddings made by one vLLM model setup.
+
+    Readable head ``vllm/<model>@<revision>/<dtype>`` (its start cut away when too long) and a
+    tag: 64 bits of BLAKE3 over every part, the encoder/multimodal configuration included, so
+    setups that differ in any part never share entries.
+    """
+    import blake3
+
+    dtype = dtype.removeprefix("torch.")
+    rev = revision or "default"
+    identity = "\x00".join(("mmkey-vllm-ec-v1", model, rev, encoder_config, dtype))
+    tag = blake3.blake3(identity.encode("utf-8", "surrogatepass")).hexdigest()[:_TAG_HEX]
+    head = f"vllm/{model}@{rev}/{dtype}"
+    room = MAX_NAMESPACE_CHARS - _TAG_HEX - 1
+    if len(head) > room:
+        head = head[len(head) - room :]
+    return f"{head}#{tag}"
+
+
+def _size(value: Any, name: str) -> int:
+    try:
+        size = parse_size(value, name)
+    except TypeError:
+        raise TypeError(
+            f"ec_connector_extra_config[{name!r}] must be bytes (an int) or size text like "
+            f"'512MB', got {value!r}"
+        ) from None
+    if size <= 0:
+        raise ValueError(f"ec_connector_extra_config[{name!r}] must be > 0, got {value!r}")
+    return size
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ConnectorSettings:
+    """What ``ec_connector_extra_config`` asks of `MMKeyECConnector`, checked."""
+
+    namespace: str | None = None
+    """Overrides the namespace derived from `VllmConfig` (required without a model config)."""
+    store: StoreKind = StoreKind.MOONCAKE
+    mooncake: Mapping[str, Any] = attrs.field(factory=dict)
+    """`MooncakeConfig` fields over Mooncake's ``MOONCAKE_*`` variables (these win)."""
+    memory_max_bytes: int = 1 << 30
+    """Budget of the `MemoryCache` when ``store`` is ``"memory"``."""
+    max_pending_save_bytes: int = 512 << 20
+    """Embedding bytes a worker may hold for background saves; past it, saves are dropped."""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Read and check ``ec_connector_extra_config``; unknown keys are a `ValueError`."""
+        extra = {} if extra is None else extra
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"ec_connector_extra_config must be a dict, got {extra!r}")
+        unknown = sorted(set(extra) - EXTRA_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(
+                f"ec_connector_extra_config has unknown keys {unknown} for MMKeyECConnector; "
+                f"it reads {sorted(EXTRA_CONFIG_KEYS)}"
+            )
+        fields: dict[str, Any] = {}
+        namespace = extra.get("namespace")
+        if namespace is not None:
+            if not isinstance(namespace, str):
+                raise TypeError(f"ec_connector_extra_config['namespace'] must be text, got {namespace!r}")
+            # the key class checks length and text once, here, instead of at the first lookup
+            identifier_key(namespace, Modality.IMAGE, "namespace-check")
+            fields["namespace"] = namespace
+        if "store" in extra:
+            try:
+                fields["store"] = StoreKind(extra["store"])
+            except ValueError:
+                kinds = [k.value for k in StoreKind]
+                raise ValueError(
+                    f"ec_connector_extra_config['store'] must be one of {kinds}, got {extra['store']!r}"
+                ) from None
+        if "mooncake" in extra:
+            mooncake = extra["mooncake"]
+            if not isinstance(mooncake, Mapping):
+                raise TypeError(
+                    "ec_connector_extra_config['mooncake'] must be a dict of MooncakeConfig "
+                    f"fields, e.g. {{'master_server_address': 'host:port'}}, got {mooncake!r}"
+                )
+            known = set(attrs.fields_dict(MooncakeConfig))
+            bad = sorted(set(mooncake) - known)
+            if bad:
+                raise ValueError(
+                    f"ec_connector_extra_config['mooncake'] has unknown fields {bad}; "
+                    f"MooncakeConfig has {sorted(known)}"
+                )
+            fields["mooncake"] = dict(mooncake)
+        for name in ("memory_max_bytes", "max_pending_save_bytes"):
+            if name in extra:
+                fields[name] = _size(extra[name], name)
+        return cls(**fields)
+
+    def mooncake_config(
+        self, *, pure_client: bool, environ: Mapping[str, str] | None = None
+    ) -> MooncakeConfig:
+        """The `MooncakeConfig`: ``MOONCAKE_*`` variables, then the extra config's fields.
+
+        A pure client (the scheduler side: it only asks what exists) lends no memory.
+        Raises `ValueError` naming ``MOONCAKE_MASTER`` when no master is configured.
+        """
+        overrides = dict(self.mooncake)
+        if pure_client:
+            overrides["global_segment_size"] = 0
+        try:
+            return MooncakeConfig.from_env(environ, **overrides)
+        except ValueError as exc:
+            raise ValueError(
+                f"MMKeyECConnector: {exc}; or pass ec_connector_extra_config="
+                '{"mooncake": {"master_server_address": "host:port"}}, '
+                'or {"store": "memory"} for one single-process engine'
+            ) from None
