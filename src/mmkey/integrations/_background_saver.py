@@ -139,17 +139,17 @@ class BackgroundSaver:
                     return
                 batch, self._queue = self._queue, []
                 self._busy = True
-            stored = self._write(batch)
+            ok = sum(self._write(batch))
+            texts = [job.text for job in batch]
+            nbytes = sum(job.nbytes for job in batch)
+            batch.clear()  # release the tensors before anyone is told they are written
             with self._cond:
-                ok = sum(stored)
                 self._saved += ok
-                self._failed += len(batch) - ok
-                for job in batch:
-                    self._queued_texts.discard(job.text)
-                    self._pending_bytes -= job.nbytes
+                self._failed += len(texts) - ok
+                self._queued_texts.difference_update(texts)
+                self._pending_bytes -= nbytes
                 self._busy = False
                 self._cond.notify_all()
-            del batch  # release the tensors before waiting for more
 
     def _write(self, batch: list[_Job]) -> list[bool]:
         try:

@@ -321,6 +321,7 @@ class MMKeyECConnector(ECConnectorBase):
 
     def totals(self) -> dict[str, int]:
         """Every counter since this connector was made (the stats hooks give intervals)."""
+        self._take_saver_counts()
         return self._counts.totals()
 
     def _open_cache(self, role: ECConnectorRole) -> EmbeddingCache:
@@ -542,8 +543,7 @@ class MMKeyECConnector(ECConnectorBase):
             self._counts.add(saves_dropped=1)
             return
         self._counts.add(saves=1)
-        if not self._saver.submit(self.key(mm_hash, modality), tensor):
-            self._counts.add(saves_dropped=1)
+        self._saver.submit(self.key(mm_hash, modality), tensor)  # the saver counts drops
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Nothing to report: loads finish within the step and saves hold their own tensors."""

@@ -1,0 +1,16 @@
+from vllm.multimodal.inputs import MultiModalFeatureSpec
+from vllm.sampling_params import SamplingParams
+
+class Request:
+    request_id: str
+    mm_features: list[MultiModalFeatureSpec]
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | None,
+        sampling_params: SamplingParams | None,
+        pooling_params: None,
+        *,
+        mm_features: list[MultiModalFeatureSpec] | None = ...,
+    ) -> None: ...
+    def get_num_encoder_embeds(self, input_id: int) -> int: ...

@@ -1,0 +1,323 @@
+"""`MMKeyECConnector` in real vLLM (CPU): made by vLLM's factory, fed vLLM's own requests.
+
+Which parts are vLLM's and which are stand-ins is listed in `vllm_support`. Instances that
+share a store share a real local Mooncake master started by the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from vllm_support import (
+    BOUND,
+    MiB,
+    connector,
+    consume,
+    mooncake_extra,
+    produce,
+    request,
+    require_vllm,
+    schedule,
+    vllm_config,
+    vllm_worker_agent,
+    wait_until,
+)
+
+require_vllm()
+
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+
+from mmkey import HashScheme, Modality, MooncakeCache, identifier_digest  # noqa: E402
+from mmkey.cache.codec import encode_entry  # noqa: E402
+from mmkey.integrations.vllm import (  # noqa: E402
+    MMKeyECConnector,
+    MMKeyECMetadata,
+    MMKeyECStats,
+    MMKeyECWorkerMetadata,
+)
+from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.config import ECRole
+
+HIDDEN = 64
+
+
+def embedding(rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("consumer_role", ["ec_consumer", "ec_both"])
+def test_one_instance_saves_another_finds_and_loads(
+    mooncake_master: MasterProcess, consumer_role: ECRole
+) -> None:
+    extra = {"namespace": "qwen2-vl@main", "mooncake": mooncake_extra(mooncake_master)}
+    producer_cfg = vllm_config("ec_both", **extra)
+    consumer_cfg = vllm_config(consumer_role, **extra)
+    images = {"5f1c9d00aa": embedding(16, 1), "caller-uuid-7": embedding(24, 2)}
+    reqs = [request("a", [("5f1c9d00aa", "image", 16), ("caller-uuid-7", "image", 24)])]
+    with connector(producer_cfg, "scheduler") as p_sched, connector(producer_cfg, "worker") as p_worker:
+        meta, hits = schedule(p_sched, reqs)
+        assert hits == [] and meta.loads == ()
+        assert meta.saves == {"5f1c9d00aa": Modality.IMAGE, "caller-uuid-7": Modality.IMAGE}
+        produce(p_worker, pickle.loads(pickle.dumps(meta)), images)  # metadata crosses processes
+        assert p_worker.flush_saves(10.0)
+        assert p_worker.totals()["saved"] == 2
+
+        with connector(consumer_cfg, "scheduler") as c_sched, vllm_worker_agent(consumer_cfg) as agent:
+            meta, hits = schedule(c_sched, [request("b", [("caller-uuid-7", "image", 24), ("5f1c9d00aa", "image", 16), ("new-image", "image", 8)])])
+            assert hits == ["caller-uuid-7", "5f1c9d00aa"]
+            assert [(i.identifier, i.num_embeds) for i in meta.loads] == [("caller-uuid-7", 24), ("5f1c9d00aa", 16)]
+            encoder_cache: dict[str, torch.Tensor] = {}
+            output = consume(pickle.loads(pickle.dumps(meta)), encoder_cache)
+            assert set(encoder_cache) == set(images)
+            for identifier, tensor in images.items():
+                assert torch.equal(encoder_cache[identifier], tensor)
+                assert encoder_cache[identifier].device.type == "cpu"  # the worker's device here
+            assert output.ec_connector_worker_meta is None  # nothing failed
+            assert agent.totals()["loaded"] == 2
+
+
+@pytest.mark.mooncake
+def test_keys_are_identifier_digests_under_the_namespace(mooncake_master: MasterProcess) -> None:
+    cfg = vllm_config("ec_both", namespace="m@r", mooncake=mooncake_extra(mooncake_master))
+    with connector(cfg, "scheduler") as sched:
+        key = sched.key("abc", Modality.VIDEO)
+        assert (key.namespace, key.modality, key.scheme) == ("m@r", Modality.VIDEO, HashScheme.ID)
+        assert key.digest == identifier_digest("abc")
+        assert isinstance(sched.cache, MooncakeCache)
+        assert sched.cache.config.global_segment_size == 0  # the scheduler side lends no memory
+
+
+@pytest.mark.mooncake
+def test_an_identifier_from_another_model_is_never_served(mooncake_master: MasterProcess) -> None:
+    store = mooncake_extra(mooncake_master)
+    model_a = vllm_config("ec_both", namespace="model-a@1", mooncake=store)
+    model_b = vllm_config("ec_both", namespace="model-b@1", mooncake=store)
+    reqs = [request("a", [("same-id", "image", 4)])]
+    with connector(model_a, "scheduler") as a_sched, connector(model_a, "worker") as a_worker:
+        meta, _ = schedule(a_sched, reqs)
+        produce(a_worker, meta, {"same-id": embedding(4, 3)})
+        assert a_worker.flush_saves(10.0) and a_worker.totals()["saved"] == 1
+        assert schedule(a_sched, reqs)[1] == ["same-id"]
+        with connector(model_b, "scheduler") as b_sched:
+            meta, hits = schedule(b_sched, reqs)
+            assert hits == [] and meta.loads == ()
+            assert meta.saves == {"same-id": Modality.IMAGE}  # model B encodes it itself
+        # the same identifier as another modality is another key too
+        assert schedule(a_sched, [request("v", [("same-id", "video", 4)])])[1] == []
+
+
+@pytest.mark.mooncake
+def test_an_entry_of_another_size_or_a_corrupt_one_is_a_reported_miss(
+    mooncake_master: MasterProcess,
+) -> None:
+    cfg = vllm_config("ec_both", namespace="m", mooncake=mooncake_extra(mooncake_master))
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        meta, _ = schedule(sched, [request("a", [("short", "image", 8), ("flipped", "image", 8)])])
+        produce(worker, meta, {"short": embedding(8, 4), "flipped": embedding(8, 5)})
+        assert worker.flush_saves(10.0)
+        # flip one payload byte of a stored entry behind the connector's back
+        from mooncake.store import MooncakeDistributedStore
+
+        raw = MooncakeDistributedStore()
+        assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 16 * MiB, "tcp", "", mooncake_master.address) == 0
+        try:
+            text = sched.key("flipped", Modality.IMAGE).to_key()
+            entry = bytearray(raw.get(text))
+            assert entry == encode_entry(text, embedding(8, 5))
+            entry[-3] ^= 0x01
+            assert raw.upsert(text, bytes(entry)) == 0
+
+            # the request now expects 9 rows of "short": a different output, never served
+            req = request("b", [("short", "image", 9), ("flipped", "image", 8)])
+            meta, hits = schedule(sched, [req])
+            assert hits == ["short", "flipped"]  # both exist in the store
+            with vllm_worker_agent(cfg) as agent:
+                encoder_cache: dict[str, torch.Tensor] = {}
+                output = consume(meta, encoder_cache)
+                assert encoder_cache == {}
+                assert agent.totals()["load_failures"] == 2
+                assert agent.cache.stats().corrupt == 1
+            failed = output.ec_connector_worker_meta
+            assert isinstance(failed, MMKeyECWorkerMetadata)
+            assert failed.failed == {"short", "flipped"}
+            # the scheduler side fails the request (retryable) and stops claiming them
+            sched.update_connector_output(output)
+            assert sched.take_unavailable_requests() == {"b"}
+            assert sched.take_unavailable_requests() == set()
+            meta, hits = schedule(sched, [request("c", [("short", "image", 9), ("flipped", "image", 8)])])
+            assert hits == [] and set(meta.saves) == {"short", "flipped"}
+        finally:
+            raw.close()
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("fault", ["hung", "dead"])
+def test_a_hung_or_dead_master_is_a_miss_within_the_deadline_and_recovers(
+    mooncake_master: MasterProcess, fault: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = vllm_config("ec_both", namespace="m", mooncake=mooncake_extra(mooncake_master))
+    reqs = [request("a", [("kept", "image", 4)])]
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        meta, _ = schedule(sched, reqs)
+        produce(worker, meta, {"kept": embedding(4, 6)})
+        assert worker.flush_saves(10.0)
+        meta_hit, hits = schedule(sched, reqs)
+        assert hits == ["kept"]
+
+        if fault == "hung":
+            mooncake_master.pause()
+        else:
+            mooncake_master.kill()
+        try:
+            caplog.set_level(logging.WARNING, logger="mmkey.integrations.vllm")
+            for attempt in range(3):
+                start = time.monotonic()
+                meta, hits = schedule(sched, [request(f"f{attempt}", [("kept", "image", 4), ("other", "image", 4)])])
+                assert time.monotonic() - start < BOUND
+                assert hits == []
+            # a planned load whose store went away: no tensor, no hang, reported
+            start = time.monotonic()
+            worker.bind_connector_metadata(meta_hit)
+            encoder_cache: dict[str, torch.Tensor] = {}
+            worker.start_load_caches(encoder_cache)
+            assert time.monotonic() - start < BOUND and encoder_cache == {}
+            failed = worker.build_connector_worker_meta()
+            assert isinstance(failed, MMKeyECWorkerMetadata) and failed.failed == {"kept"}
+            # saves never block the model step
+            start = time.monotonic()
+            worker.bind_connector_metadata(meta)
+            worker.save_caches({"other": embedding(4, 7)}, "other")
+            assert time.monotonic() - start < 0.5
+            worker.clear_connector_metadata()
+            stats = sched.get_ec_connector_stats()
+            assert isinstance(stats, MMKeyECStats) and stats.data.get("store_errors", 0) >= 1
+            warnings = [r for r in caplog.records if r.name == "mmkey.integrations.vllm"]
+            assert 1 <= len(warnings) <= 4  # once per kind (lookup, load, save), not per call
+        finally:
+            if fault == "hung":
+                mooncake_master.resume()
+            else:
+                mooncake_master.restart()
+
+        # the store is back: the connector works again by itself
+        def recovered() -> bool:
+            meta, _ = schedule(sched, [request("r", [("after", "image", 4)])])
+            if "after" not in meta.saves:
+                return True  # found: saved earlier in this loop
+            produce(worker, meta, {"after": embedding(4, 8)})
+            worker.flush_saves(5.0)
+            return schedule(sched, [request("r2", [("after", "image", 4)])])[1] == ["after"]
+
+        assert wait_until(recovered, 30.0)
+
+
+def test_memory_store_serves_both_sides_of_one_process() -> None:
+    cfg = vllm_config("ec_both", namespace="one-node", store="memory", memory_max_bytes="8MB")
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        assert sched.cache is worker.cache
+        reqs = [request("a", [("img", "image", 4), ("clip", "audio", 6), ("mov", "video", 2)])]
+        meta, hits = schedule(sched, reqs)
+        assert hits == []
+        outputs = {"img": embedding(4, 9), "clip": embedding(6, 10), "mov": embedding(2, 11)}
+        produce(worker, meta, outputs)
+        assert worker.flush_saves(10.0)
+        meta, hits = schedule(sched, reqs)
+        assert hits == ["img", "clip", "mov"]
+        assert {i.identifier: i.modality for i in meta.loads} == {
+            "img": Modality.IMAGE, "clip": Modality.AUDIO, "mov": Modality.VIDEO
+        }
+        worker.bind_connector_metadata(meta)
+        encoder_cache: dict[str, torch.Tensor] = {}
+        worker.start_load_caches(encoder_cache)
+        assert all(torch.equal(encoder_cache[k], v) for k, v in outputs.items())
+
+
+def test_has_cache_item_without_a_request_checks_every_modality() -> None:
+    cfg = vllm_config("ec_both", namespace="n", store="memory")
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        meta, _ = schedule(sched, [request("a", [("a-clip", "audio", 3)])])
+        produce(worker, meta, {"a-clip": embedding(3, 12)})
+        assert worker.flush_saves(10.0)
+        fresh = MMKeyECConnector(cfg, sched.role)  # knows no request yet
+        try:
+            assert fresh.has_cache_item("a-clip")
+            assert not fresh.has_cache_item("unknown")
+            fresh.update_state_after_alloc(request("b", [("a-clip", "audio", 3)]), 0)
+            planned = fresh.build_connector_meta(SchedulerOutput.make_empty())
+            assert isinstance(planned, MMKeyECMetadata)
+            assert [(i.identifier, i.modality) for i in planned.loads] == [("a-clip", Modality.AUDIO)]
+        finally:
+            fresh.shutdown()
+
+
+def test_unknown_modalities_are_neither_looked_up_nor_saved() -> None:
+    cfg = vllm_config("ec_both", namespace="n2", store="memory")
+    with connector(cfg, "scheduler") as sched:
+        meta, hits = schedule(sched, [request("a", [("pe", "prompt_embeds", 3)])])
+        assert hits == [] and meta.saves == {} and meta.loads == ()
+
+
+def test_saves_past_the_pending_budget_are_dropped_not_waited_for() -> None:
+    cfg = vllm_config("ec_both", namespace="n3", store="memory", max_pending_save_bytes=4096)
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        ids = [f"big-{i}" for i in range(4)]
+        meta, _ = schedule(sched, [request("a", [(i, "image", 32) for i in ids])])
+        worker.bind_connector_metadata(meta)
+        big = torch.zeros(32, 64, dtype=torch.bfloat16)  # 4 KiB: one fits the budget at a time
+        cache = {i: big.clone() for i in ids}
+        start = time.monotonic()
+        for i in ids:
+            worker.save_caches(cache, i)
+        assert time.monotonic() - start < 1.0
+        assert worker.flush_saves(10.0)
+        totals = worker.totals()
+        assert totals["saves"] == 4
+        assert totals["saved"] + totals["saves_dropped"] == 4 and totals["saves_dropped"] >= 1
+
+
+def test_stats_flow_through_vllms_hooks() -> None:
+    cfg = vllm_config("ec_both", namespace="n4", store="memory")
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        assert sched.get_ec_connector_stats() is None  # nothing happened yet
+        meta, _ = schedule(sched, [request("a", [("x", "image", 2), ("y", "image", 2)])])
+        produce(worker, meta, {"x": embedding(2, 13), "y": embedding(2, 14)})
+        assert worker.flush_saves(10.0)
+        schedule(sched, [request("b", [("x", "image", 2)])])
+        s_stats, w_stats = sched.get_ec_connector_stats(), worker.get_ec_connector_stats()
+        assert isinstance(s_stats, MMKeyECStats) and isinstance(w_stats, MMKeyECStats)
+        assert s_stats.data == {"lookups": 3, "found": 1}
+        assert w_stats.data == {"saves": 2, "saved": 2}
+        rebuilt = MMKeyECConnector.build_ec_connector_stats(dict(w_stats.data))
+        assert isinstance(rebuilt, MMKeyECStats)
+        total = rebuilt.aggregate(s_stats)
+        assert total.reduce() == {"saves": 2, "saved": 2, "lookups": 3, "found": 1, "hit_rate": 0.3333}
+        assert not total.is_empty()
+        total.reset()
+        assert total.is_empty()
+        assert sched.get_ec_connector_stats() is None  # intervals do not repeat
+
+
+def test_a_model_less_config_needs_a_namespace_and_bad_extra_config_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    with pytest.raises(ValueError, match="namespace"):
+        with connector(vllm_config("ec_both", store="memory"), "scheduler"):
+            pass
+    with pytest.raises(ValueError, match="unknown keys"):
+        with connector(vllm_config("ec_both", namespace="n", stor="memory"), "scheduler"):
+            pass
+    with pytest.raises(ValueError, match="MOONCAKE_MASTER"):
+        with connector(vllm_config("ec_both", namespace="n"), "scheduler"):
+            pass

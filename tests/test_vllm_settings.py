@@ -1,0 +1,146 @@
+"""Keys, namespaces and extra-config parsing of the vLLM connector (no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from mmkey import EmbeddingKey, HashScheme, InvalidKey, Modality, identifier_digest
+from mmkey.integrations._vllm_settings import (
+    EXTRA_CONFIG_KEYS,
+    ConnectorSettings,
+    StoreKind,
+    identifier_key,
+    modality_of,
+    vllm_namespace,
+)
+from mmkey.keys import MAX_NAMESPACE_CHARS
+from mmkey.testing.strategies import modalities, namespaces
+
+identifiers = st.text(min_size=1)  # hypothesis leaves out lone surrogates by default
+hex_ids = st.binary(min_size=32, max_size=32).map(bytes.hex)
+
+
+@given(namespaces(), modalities(), identifiers, identifiers)
+@example("m", Modality.IMAGE, "abc", "ABC")  # case is never folded
+@example("m", Modality.IMAGE, "0abc", "abc")  # nor are leading zeros of hex text
+@example("m", Modality.IMAGE, "a b", "a%20b")  # nor is text percent-decoded
+@example("m", Modality.IMAGE, "\u00e9", "e\u0301")  # nor Unicode-normalised
+def test_distinct_identifiers_never_share_a_key(
+    namespace: str, modality: Modality, first: str, second: str
+) -> None:
+    a = identifier_key(namespace, modality, first)
+    b = identifier_key(namespace, modality, second)
+    assert (a.to_key() == b.to_key()) == (first == second)
+    assert EmbeddingKey.from_key(a.to_key()) == a
+
+
+@given(namespaces(), modalities(), st.one_of(hex_ids, st.uuids().map(str)))
+def test_keys_of_vllm_identifiers_are_id_digests_of_the_text(
+    namespace: str, modality: Modality, identifier: str
+) -> None:
+    key = identifier_key(namespace, modality, identifier)
+    assert (key.namespace, key.modality, key.scheme) == (namespace, modality, HashScheme.ID)
+    assert key.digest == identifier_digest(identifier)
+    assert key.to_key().endswith(f"@id@{key.digest:032x}")
+
+
+def test_identifier_text_is_checked() -> None:
+    with pytest.raises(InvalidKey):
+        identifier_key("m", Modality.IMAGE, "")
+    with pytest.raises(TypeError):
+        identifier_key("m", Modality.IMAGE, b"abc")  # type: ignore[arg-type]
+
+
+def test_vllm_modality_names() -> None:
+    assert [modality_of(n) for n in ("image", "video", "audio")] == list(Modality)
+    assert modality_of("prompt_embeds") is None and modality_of("IMAGE") is None
+
+
+parts = st.tuples(st.text(min_size=1, max_size=400), st.one_of(st.none(), st.text(max_size=40)), st.text(max_size=64), st.sampled_from(["torch.bfloat16", "torch.float16", "float32"]))
+
+
+@given(parts, parts)
+@example(("Qwen/Qwen2-VL-7B", "main", "enc1", "torch.bfloat16"), ("Qwen/Qwen2-VL-7B", "main", "enc2", "torch.bfloat16"))
+@example(("Qwen/Qwen2-VL-7B", None, "e", "torch.bfloat16"), ("Qwen/Qwen2-VL-7B", "default", "e", "torch.bfloat16"))
+@example(("x" * 300 + "a", "r", "e", "float32"), ("x" * 300 + "b", "r", "e", "float32"))
+def test_namespaces_are_valid_and_differ_with_any_part(
+    first: tuple[str, str | None, str, str], second: tuple[str, str | None, str, str]
+) -> None:
+    try:
+        a = vllm_namespace(*first)
+    except InvalidKey:
+        return
+    assert len(a) <= MAX_NAMESPACE_CHARS
+    EmbeddingKey(a, Modality.IMAGE, HashScheme.ID, identifier_digest("x"))  # a valid namespace
+    same = (first[0], first[1] or "default", first[2], first[3].removeprefix("torch."))
+    other = (second[0], second[1] or "default", second[2], second[3].removeprefix("torch."))
+    if same != other:
+        try:
+            assert vllm_namespace(*second) != a
+        except InvalidKey:
+            pass
+
+
+def test_namespace_reads_well() -> None:
+    ns = vllm_namespace("Qwen/Qwen2-VL-7B-Instruct", None, "abc", "torch.bfloat16")
+    assert ns.startswith("vllm/Qwen/Qwen2-VL-7B-Instruct@default/bfloat16#")
+    assert vllm_namespace("Qwen/Qwen2-VL-7B-Instruct", None, "abc", "bfloat16") == ns
+
+
+def test_extra_config_defaults_and_values() -> None:
+    assert ConnectorSettings.from_extra_config(None) == ConnectorSettings()
+    settings = ConnectorSettings.from_extra_config(
+        {
+            "namespace": "qwen@r1",
+            "store": "memory",
+            "memory_max_bytes": "64MB",
+            "max_pending_save_bytes": 1024,
+            "mooncake": {"deadline": 0.25},
+        }
+    )
+    assert settings.namespace == "qwen@r1" and settings.store is StoreKind.MEMORY
+    assert settings.memory_max_bytes == 64 << 20 and settings.max_pending_save_bytes == 1024
+    assert settings.mooncake == {"deadline": 0.25}
+    assert "namespace" in EXTRA_CONFIG_KEYS
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "match"),
+    [
+        ({"namespce": "x"}, ValueError, "unknown keys"),
+        ({"namespace": 7}, TypeError, "namespace"),
+        ({"namespace": ""}, InvalidKey, "namespace"),
+        ({"namespace": "x" * 257}, InvalidKey, "namespace"),
+        ({"store": "redis"}, ValueError, "mooncake"),
+        ({"mooncake": "10.0.0.5:50051"}, TypeError, "master_server_address"),
+        ({"mooncake": {"master": "h:1"}}, ValueError, "unknown fields"),
+        ({"memory_max_bytes": 0}, ValueError, "> 0"),
+        ({"max_pending_save_bytes": "lots"}, ValueError, "size"),
+        ({"max_pending_save_bytes": 1.5}, TypeError, "size text"),
+    ],
+)
+def test_bad_extra_config_is_refused_naming_the_fix(extra: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        ConnectorSettings.from_extra_config(extra)
+
+
+def test_mooncake_config_from_env_then_extra_config(tmp_path: Path) -> None:
+    env = {"MOONCAKE_MASTER": "127.0.0.1:50051", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1GB"}
+    settings = ConnectorSettings.from_extra_config({"mooncake": {"deadline": 0.3, "local_buffer_size": "64MB"}})
+    worker = settings.mooncake_config(pure_client=False, environ=env)
+    assert worker.master_server_address == "127.0.0.1:50051"
+    assert worker.global_segment_size == 1 << 30 and worker.local_buffer_size == 64 << 20
+    assert worker.deadline == 0.3
+    assert settings.mooncake_config(pure_client=True, environ=env).global_segment_size == 0
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "127.0.0.1:6000"}))
+    assert settings.mooncake_config(pure_client=False, environ={"MOONCAKE_CONFIG_PATH": str(path)}).master_server_address == "127.0.0.1:6000"
+    explicit = ConnectorSettings.from_extra_config({"mooncake": {"master_server_address": "127.0.0.1:7000"}})
+    assert explicit.mooncake_config(pure_client=False, environ=env).master_server_address == "127.0.0.1:7000"
+    with pytest.raises(ValueError, match="MOONCAKE_MASTER.*store"):
+        ConnectorSettings().mooncake_config(pure_client=False, environ={})
