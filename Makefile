@@ -10,7 +10,13 @@ TORCH_PIN ?= torch==2.13.0
 # pyright-python's own check for a newer pyright release (a request per run): off
 export PYRIGHT_PYTHON_IGNORE_WARNINGS := 1
 
-.PHONY: demo test typecheck mypy pyright verifytypes test-matrix stubtest pytest bench clean
+# vLLM's pins conflict with ours: its tests run in an environment of their own (CPU torch,
+# then vLLM and each package it needs with --no-deps, so pip never pulls a CUDA torch)
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
+
+.PHONY: demo test typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm bench bench-vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
