@@ -85,6 +85,22 @@ def test_a_key_already_queued_is_queued_once_and_writes_are_batched() -> None:
     saver.close(5)
 
 
+def test_writes_are_split_to_fit_the_batch_budget() -> None:
+    cache = GatedCache()
+    saver = BackgroundSaver(cache, 1 << 20, max_batch_bytes=1024)
+    t = torch.zeros(8, 16)  # 512 bytes
+    saver.submit(key("first"), t)
+    time.sleep(0.2)
+    big = torch.zeros(8, 64)  # 2 KiB: more than a batch alone
+    for name, tensor in [("a", t), ("b", t), ("c", t), ("big", big), ("d", t)]:
+        saver.submit(key(name), tensor)
+    cache.gate.set()
+    assert saver.flush(10)
+    assert cache.batches == [1, 2, 1, 1, 1]
+    assert saver.counts().saved == 6
+    saver.close(5)
+
+
 def test_a_failing_store_counts_failures_and_the_saver_keeps_going() -> None:
     cache = GatedCache()
     cache.gate.set()

@@ -51,7 +51,8 @@ class _Job:
 class BackgroundSaver:
     """Saves (key, tensor) pairs to `cache` on a daemon thread, within `max_pending_bytes`.
 
-    `on_failure(message)` is called on the saver thread for every failed batch (the caller
+    Queued saves are written together, in `insert_batch` calls of at most `max_batch_bytes`.
+    `on_failure(message)` is called on the saver thread for every failed call (the caller
     rate-limits its logging); it must not raise.
     """
 
@@ -61,6 +62,7 @@ class BackgroundSaver:
         max_pending_bytes: int,
         on_failure: Callable[[str], None] = lambda _: None,
         name: str = "mmkey-saver",
+        max_batch_bytes: int = 64 << 20,
     ) -> None:
         if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int):
             raise TypeError(f"max_pending_bytes must be an int, got {max_pending_bytes!r}")
@@ -68,6 +70,7 @@ class BackgroundSaver:
             raise ValueError(f"max_pending_bytes must be > 0, got {max_pending_bytes}")
         self._cache = cache
         self._budget = max_pending_bytes
+        self._batch_bytes = max_batch_bytes
         self._on_failure = on_failure
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
@@ -152,14 +155,28 @@ class BackgroundSaver:
                 self._cond.notify_all()
 
     def _write(self, batch: list[_Job]) -> list[bool]:
+        """Write `batch` in `insert_batch` calls of at most `max_batch_bytes` (one entry at least),
+        so that each call fits a store's deadline."""
+        stored: list[bool] = []
+        start = 0
+        while start < len(batch):
+            end, size = start + 1, batch[start].nbytes
+            while end < len(batch) and size + batch[end].nbytes <= self._batch_bytes:
+                size += batch[end].nbytes
+                end += 1
+            stored += self._write_chunk(batch[start:end])
+            start = end
+        return stored
+
+    def _write_chunk(self, chunk: list[_Job]) -> list[bool]:
         try:
-            for job in batch:
+            for job in chunk:
                 job.ready.wait()
-            stored = self._cache.insert_batch([j.key for j in batch], [j.tensor for j in batch])
+            stored = self._cache.insert_batch([j.key for j in chunk], [j.tensor for j in chunk])
         except Exception as exc:  # a cache fault is a failed save, never the worker's problem
-            self._on_failure(f"{len(batch)} embedding save(s) raised {type(exc).__name__}: {exc}")
-            return [False] * len(batch)
-        failed = len(batch) - sum(stored)
+            self._on_failure(f"{len(chunk)} embedding save(s) raised {type(exc).__name__}: {exc}")
+            return [False] * len(chunk)
+        failed = len(chunk) - sum(stored)
         if failed:
-            self._on_failure(f"{failed} of {len(batch)} embedding save(s) were not stored")
+            self._on_failure(f"{failed} of {len(chunk)} embedding save(s) were not stored")
         return stored

@@ -76,6 +76,7 @@ _UNAVAILABLE_FOR_S = 30.0
 _WARN_EVERY_S = 60.0
 _SHUTDOWN_WAIT_S = 5.0
 _MAX_TRACKED = 4096
+_LOAD_CHUNK_BYTES = 64 << 20
 
 
 def namespace_from_vllm_config(vllm_config: VllmConfig) -> str:
@@ -304,6 +305,7 @@ class MMKeyECConnector(ECConnectorBase):
         self._device: torch.device | None = None
         self._failed_loads: set[str] = set()
         self._saver_seen = (0, 0, 0)
+        self._entry_bytes = 8 << 20  # a guess until the first entry is read
 
     @property
     def namespace(self) -> str:
@@ -500,31 +502,40 @@ class MMKeyECConnector(ECConnectorBase):
         wanted = [item for item in meta.loads if item.identifier not in encoder_cache]
         if not wanted:
             return
-        keys = [self.key(item.identifier, item.modality) for item in wanted]
+        device = self._worker_device()
+        loaded = 0
+        start = 0
+        while start < len(wanted):
+            # reads of at most about _LOAD_CHUNK_BYTES each, so that every call fits the deadline
+            chunk = wanted[start : start + max(1, _LOAD_CHUNK_BYTES // self._entry_bytes)]
+            start += len(chunk)
+            for item, tensor in zip(chunk, self._read(chunk)):
+                if tensor is not None:
+                    self._entry_bytes = max(tensor.numel() * tensor.element_size(), 1)
+                if tensor is None or tensor.ndim < 1 or tensor.shape[0] != item.num_embeds:
+                    if tensor is not None:
+                        self._warnings.warn(
+                            "shape",
+                            f"entry for {item.identifier!r} has shape {tuple(tensor.shape)}, "
+                            f"expected {item.num_embeds} rows",
+                        )
+                    self._failed_loads.add(item.identifier)
+                    continue
+                encoder_cache[item.identifier] = tensor.to(device)
+                loaded += 1
+        self._counts.add(loads=len(wanted), loaded=loaded, load_failures=len(wanted) - loaded)
+
+    def _read(self, items: list[LoadItem]) -> list[torch.Tensor | None]:
+        keys = [self.key(item.identifier, item.modality) for item in items]
         before = self._errors()
         try:
             tensors = self._cache.get_embeddings(keys)
         except Exception as exc:
-            tensors = [None] * len(keys)
             self._counts.add(store_errors=1)
             self._warnings.warn("load", f"get_embeddings raised {type(exc).__name__}: {exc}")
-        else:
-            self._note_store_errors(before, "load")
-        device = self._worker_device()
-        loaded = 0
-        for item, tensor in zip(wanted, tensors):
-            if tensor is None or tensor.ndim < 1 or tensor.shape[0] != item.num_embeds:
-                if tensor is not None:
-                    self._warnings.warn(
-                        "shape",
-                        f"entry for {item.identifier!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {item.num_embeds} rows",
-                    )
-                self._failed_loads.add(item.identifier)
-                continue
-            encoder_cache[item.identifier] = tensor.to(device)
-            loaded += 1
-        self._counts.add(loads=len(wanted), loaded=loaded, load_failures=len(wanted) - loaded)
+            return [None] * len(keys)
+        self._note_store_errors(before, "load")
+        return tensors
 
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any

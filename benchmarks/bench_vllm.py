@@ -1,0 +1,261 @@
+"""mmkey's vLLM connector against vLLM's own Mooncake encoder store, on one master, one run.
+
+Run in vLLM's environment: ``make bench-vllm`` (or ``python benchmarks/bench_vllm.py`` there).
+Starts a local master and a separate segment holder (``mooncake_client``) on 127.0.0.1; both
+sides are pure clients of it, so every write and read crosses TCP as between serving nodes.
+
+- mmkey: `MMKeyECConnector` made from a real `VllmConfig` (a scheduler side and two worker
+  sides: the producer that saves, the consumer that loads), default deadline (0.5 s).
+- vLLM: `MooncakeEmbeddingStoreClient` (``vllm.distributed.ec_transfer.ec_connector.
+  mooncake_store_embedding``), the client behind vLLM's encoder-side store: keys from
+  ``make_embedding_key``, a 24-byte header, no checksum.
+
+Operations, 64 identifiers (hex text like vLLM's ``mm_hash``), 64 embeddings of
+1024 x 3584 bf16 (7 MiB each, 448 MiB in all):
+- lookup of 64 hits: mmkey ``ensure_cache_available`` (one store call per request) plus 64
+  ``has_cache_item``, as vLLM's scheduler calls them, against ``batch_exists`` of 64 keys;
+  and 64 ``has_cache_item`` of identifiers the connector has not seen in a request (each its
+  own call over the three modalities) against 64 ``exists``;
+- save 64: mmkey ``save_caches`` x 64 until the background saver has stored them (and how
+  long ``save_caches`` held the caller), against ``put_tensor`` x 64 (vLLM's publisher thread
+  calls it one item at a time);
+- load 64: ``start_load_caches`` of a 64-item plan (every entry verified) against
+  ``load_tensors`` of 64 specs.
+Lookups and loads: best of 5; saves: best of 2 (each round new identifiers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+import blake3  # noqa: E402
+import torch  # noqa: E402
+
+from mmkey.testing.mooncake_master import running_master  # noqa: E402
+
+MiB = 1 << 20
+COUNT = 64
+ROWS, HIDDEN = 1024, 3584
+
+
+def best(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def row(name: str, vllm_s: float, mmkey_s: float, note: str = "") -> None:
+    print(f"| {name} | {vllm_s * 1e3:.1f} ms | {mmkey_s * 1e3:.1f} ms | {mmkey_s / vllm_s:.2f}x | {note} |")
+
+
+@contextlib.contextmanager
+def segment_holder(master_address: str) -> Iterator[None]:
+    """A standalone ``mooncake_client`` lending 3 GiB to the store, stopped by PID on exit."""
+    binary = shutil.which("mooncake_client", path=os.path.dirname(sys.executable)) or "mooncake_client"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--host=127.0.0.1", "--global_segment_size=3GB", "--metadata_server=P2PHANDSHAKE",
+         f"--master_server_address={master_address}", f"--port={port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(2.0)  # it mounts its segment with the master
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def identifiers(tag: str) -> list[str]:
+    return [blake3.blake3(f"{tag}-{i}".encode()).hexdigest() for i in range(COUNT)]
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    import mooncake.store
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    from vllm.config import ECTransferConfig, VllmConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
+        TensorSpec,
+        make_embedding_key,
+    )
+    from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.store_client import (
+        MooncakeEmbeddingStoreClient,
+    )
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from mmkey.integrations.vllm import MMKeyECConnector, MMKeyECMetadata
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(COUNT)]
+    nbytes = tensors[0].numel() * tensors[0].element_size()
+
+    def request(ids: list[str]) -> Request:
+        features = [
+            MultiModalFeatureSpec(
+                data=None, modality="image", identifier=ident,
+                mm_position=PlaceholderRange(offset=1 + i * (ROWS + 1), length=ROWS),
+            )
+            for i, ident in enumerate(ids)
+        ]
+        return Request("bench", [0] * (COUNT * (ROWS + 1) + 2), SamplingParams(max_tokens=1), None, mm_features=features)
+
+    with running_master() as master, segment_holder(master.address):
+        config = VllmConfig(
+            ec_transfer_config=ECTransferConfig(
+                ec_connector="MMKeyECConnector",
+                ec_connector_module_path="mmkey.integrations.vllm",
+                ec_role="ec_both",
+                ec_connector_extra_config={
+                    "namespace": "bench-model@main",
+                    "mooncake": {
+                        "master_server_address": master.address,
+                        "global_segment_size": 0,
+                        "local_buffer_size": "256MB",
+                    },
+                },
+            )
+        )
+        sched = MMKeyECConnector(config, ECConnectorRole.SCHEDULER)
+        producer = MMKeyECConnector(config, ECConnectorRole.WORKER)
+        consumer = MMKeyECConnector(config, ECConnectorRole.WORKER)
+        raw = MooncakeDistributedStore()
+        assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 256 * MiB, "tcp", "", master.address) == 0
+        replicate = ReplicateConfig()
+        # as vLLM's create_mooncake_embedding_store_client sets it (not in mmkey's stubs)
+        setattr(replicate, "data_type", getattr(mooncake.store, "ObjectDataType").TENSOR)  # noqa: B010
+        client = MooncakeEmbeddingStoreClient(raw, replicate, read_buffer_bytes=256 * MiB)
+        namespace = "embedding@model:bench-model@revision:main@encoder:bench@dtype:torch.bfloat16@protocol:v3"
+        try:
+            print(f"vLLM {__import__('vllm').__version__}, {COUNT} x {ROWS} x {HIDDEN} bf16 ({nbytes / MiB:.0f} MiB each)\n")
+            print("| operation | vLLM's store client | mmkey connector | mmkey / vLLM | note |")
+            print("|---|---|---|---|---|")
+
+            # -- saves (each round new identifiers: vLLM's put never overwrites) ---------------
+            rounds = iter(range(100))
+            held: list[float] = []
+            saved_ids: list[str] = []
+
+            def mmkey_save() -> None:
+                ids = identifiers(f"mmkey-save-{next(rounds)}")
+                req = request(ids)
+                sched.ensure_cache_available(req, 0)
+                for i in range(COUNT):
+                    sched.has_cache_item(ids[i])
+                    sched.update_state_after_alloc(req, i)
+                meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+                start = time.perf_counter()
+                producer.bind_connector_metadata(meta)
+                cache = dict(zip(ids, tensors))
+                for ident in ids:
+                    producer.save_caches(cache, ident)
+                producer.clear_connector_metadata()
+                held.append(time.perf_counter() - start)
+                assert producer.flush_saves(120.0)
+                saved_ids[:] = ids
+
+            vllm_ids: list[str] = []
+
+            def vllm_save() -> None:
+                ids = identifiers(f"vllm-save-{next(rounds)}")
+                for ident, tensor in zip(ids, tensors):
+                    client.put_tensor(make_embedding_key(namespace, ident), tensor)
+                vllm_ids[:] = ids
+
+            t_vllm = best(vllm_save, 2)
+            t_mmkey = best(mmkey_save, 2)
+            totals = producer.totals()
+            assert totals.get("saved") == 2 * COUNT, totals
+            row(f"save {COUNT} embeddings (until stored)", t_vllm, t_mmkey,
+                f"mmkey's save_caches held the model step {min(held) * 1e3:.1f} ms for all {COUNT}")
+
+            # -- lookups ------------------------------------------------------------------------
+            vllm_keys = [make_embedding_key(namespace, i) for i in vllm_ids]
+
+            def mmkey_lookup() -> None:
+                req = request(saved_ids)
+                sched.ensure_cache_available(req, 0)
+                assert all(sched.has_cache_item(i) for i in saved_ids)
+                sched.build_connector_meta(SchedulerOutput.make_empty())
+
+            def vllm_lookup() -> None:
+                assert all(client.batch_exists([make_embedding_key(namespace, i) for i in vllm_ids]))
+
+            row(f"has_cache_item x {COUNT}, hits (one request)", best(vllm_lookup, 5), best(mmkey_lookup, 5),
+                "mmkey: ensure_cache_available + has_cache_item; vLLM: batch_exists")
+
+            cold = MMKeyECConnector(config, ECConnectorRole.SCHEDULER)  # has seen no request
+
+            def mmkey_lookup_cold() -> None:
+                for ident in saved_ids:
+                    assert cold.has_cache_item(ident)
+                    cold.build_connector_meta(SchedulerOutput.make_empty())  # forget the answer
+
+            def vllm_lookup_each() -> None:
+                assert all(client.exists(k) for k in vllm_keys)
+
+            row(f"has_cache_item x {COUNT}, no request seen", best(vllm_lookup_each, 5), best(mmkey_lookup_cold, 5),
+                "one call per identifier; mmkey asks for 3 modalities")
+            cold.shutdown()
+
+            # -- loads ---------------------------------------------------------------------------
+            req = request(saved_ids)
+            sched.ensure_cache_available(req, 0)
+            for i in range(COUNT):
+                sched.has_cache_item(saved_ids[i])
+                sched.update_state_after_alloc(req, i)
+            plan = sched.build_connector_meta(SchedulerOutput.make_empty())
+            assert isinstance(plan, MMKeyECMetadata) and len(plan.loads) == COUNT
+
+            def mmkey_load() -> None:
+                encoder_cache: dict[str, torch.Tensor] = {}
+                consumer.bind_connector_metadata(plan)
+                consumer.start_load_caches(encoder_cache)
+                consumer.clear_connector_metadata()
+                assert len(encoder_cache) == COUNT
+
+            specs = {k: TensorSpec((ROWS, HIDDEN), "torch.bfloat16", nbytes) for k in vllm_keys}
+
+            def vllm_load() -> None:
+                assert len(client.load_tensors(specs, "cpu")) == COUNT
+
+            row(f"load {COUNT} embeddings", best(vllm_load, 5), best(mmkey_load, 5),
+                "mmkey verifies every entry (checksum, key, dtype, shape)")
+            encoder_cache: dict[str, torch.Tensor] = {}
+            consumer.bind_connector_metadata(plan)
+            consumer.start_load_caches(encoder_cache)
+            assert all(torch.equal(encoder_cache[i], t) for i, t in zip(saved_ids, tensors))
+        finally:
+            sched.shutdown()
+            producer.shutdown()
+            consumer.shutdown()
+            client.close()
+
+
+if __name__ == "__main__":
+    main()
