@@ -21,6 +21,7 @@ from vllm_support import (
     consume,
     mooncake_extra,
     produce,
+    producer_only_config,
     request,
     require_vllm,
     schedule,
@@ -240,6 +241,20 @@ def test_memory_store_serves_both_sides_of_one_process() -> None:
         encoder_cache: dict[str, torch.Tensor] = {}
         worker.start_load_caches(encoder_cache)
         assert all(torch.equal(encoder_cache[k], v) for k, v in outputs.items())
+
+
+def test_a_producer_skips_what_is_stored_and_saves_the_rest() -> None:
+    cfg = producer_only_config(namespace="enc", store="memory")
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        assert sched.is_producer and not sched.is_consumer
+        meta, hits = schedule(sched, [request("a", [("x", "image", 3), ("y", "image", 3)])])
+        assert hits == [] and set(meta.saves) == {"x", "y"}
+        produce(worker, meta, {"x": embedding(3, 15), "y": embedding(3, 16)})
+        assert worker.flush_saves(10.0)
+        meta, hits = schedule(sched, [request("b", [("x", "image", 3), ("z", "image", 3)])])
+        assert hits == ["x"]  # vLLM does not encode it again
+        assert meta.loads == ()  # and a producer loads nothing
+        assert set(meta.saves) == {"z"}
 
 
 def test_has_cache_item_without_a_request_checks_every_modality() -> None:

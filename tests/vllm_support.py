@@ -91,6 +91,25 @@ def vllm_config(role: ECRole, **extra: Any) -> VllmConfig:
     )
 
 
+def producer_only_config(**extra: Any) -> VllmConfig:
+    """A `VllmConfig` whose EC role is ``ec_producer``.
+
+    vLLM refuses ``ec_producer`` without a multimodal model, which its CPU install cannot
+    build; the config is built as ``ec_both`` and then given the producer's transfer config
+    (the stand-in: vLLM's model check is skipped, nothing else).
+    """
+    from vllm.config import ECTransferConfig
+
+    config = vllm_config("ec_both", **extra)
+    config.ec_transfer_config = ECTransferConfig(
+        ec_connector="MMKeyECConnector",
+        ec_connector_module_path="mmkey.integrations.vllm",
+        ec_role="ec_producer",
+        ec_connector_extra_config=dict(extra),
+    )
+    return config
+
+
 @contextlib.contextmanager
 def connector(config: VllmConfig, role: str) -> Iterator[MMKeyECConnector]:
     """One side ("scheduler" or "worker") made by vLLM's `ECConnectorFactory`; shut down after."""
