@@ -34,7 +34,9 @@ def _run_pyright(site: Path, scratch: Path) -> dict[str, Any]:
     # pyright asks the first `python` on PATH for the import paths (not --pythonpath, in
     # this mode): the dev environment's, with the wheel's install in front of its own
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(site)
+    # the stubs of the stacks the integrations subclass (vLLM, SGLang) and of Mooncake: the
+    # types their users' checkers see from the stacks' own annotated packages
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT / "stubs")])
     env["PYRIGHT_PYTHON_IGNORE_WARNINGS"] = "1"
     done = subprocess.run(
         [str(bin_dir / "pyright"), "--verifytypes", "mmkey", "--ignoreexternal", "--outputjson"],

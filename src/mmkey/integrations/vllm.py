@@ -68,7 +68,7 @@ __all__ = [
     "namespace_from_vllm_config",
 ]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 _ALL_MODALITIES = tuple(Modality)
 _UNAVAILABLE_FOR_S = 30.0
@@ -157,7 +157,7 @@ class MMKeyECStats(ECConnectorStats):
 
     def reset(self) -> None:
         """Zero every counter."""
-        self.data = {}
+        self.data.clear()
 
     def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
         """Sum the counters of `other` into these."""
