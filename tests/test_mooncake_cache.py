@@ -330,14 +330,14 @@ def test_reconnecting_waits_at_most_the_call_deadline_not_the_setup_deadline(
     # `setup_deadline`; the slow setup finishes on the worker and the cache recovers
     mooncake_master.kill()
     c = MooncakeCache(config(mooncake_master, setup_deadline=4.0))
-    real = c._store_class
+    real = c._transport.store_class
 
     class SlowSetup(real):  # type: ignore[valid-type, misc]
         def setup(self, *args: object) -> int:
             time.sleep(2.5)
             return int(super().setup(*args))
 
-    c._store_class = SlowSetup
+    c._transport.store_class = SlowSetup
     try:
         mooncake_master.restart()
         time.sleep(0.3)  # past retry_after

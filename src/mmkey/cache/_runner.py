@@ -1,10 +1,12 @@
-"""Deadlines for blocking store calls: one daemon worker thread and a circuit breaker.
+"""Deadlines for blocking store calls: a daemon worker thread (a lane) and a circuit breaker.
 
 A store binding can block for tens of seconds when its server hangs. Every call goes to
-a single worker thread (so calls into the binding never overlap) and the caller waits
-at most a deadline for it. Calls queue behind a healthy call; once the running call has
-outlived its deadline (`is_stuck`) the adapter answers from its fallback at once instead
-of queueing behind it, and a call that timed out in the queue is cancelled, never run.
+a worker thread and the caller waits at most a deadline for it. Calls queue behind a
+healthy call; once the running call has outlived its deadline (`is_stuck`) the adapter
+answers from its fallback at once instead of queueing behind it, and a call that timed
+out in the queue is cancelled, never run. A caller that stops waiting for any reason (the
+deadline, ``KeyboardInterrupt``, the lane closing) hands the call's eventual result to a
+release function, so nothing it holds (a staging lease) is lost.
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TypeVar
 
-from mmkey.errors import StoreError
+from mmkey.errors import StoreClosed, StoreError
 
 __all__ = ["Breaker", "CallTimeout", "DeadlineRunner"]
 
@@ -38,6 +39,7 @@ class DeadlineRunner:
         self._pending = 0
         self._running_since: float | None = None
         self._lock = threading.Lock()
+        self._closing: Future[None] = Future()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -72,27 +74,53 @@ class DeadlineRunner:
     ) -> T:
         """Run `fn` on the worker and return its result, or raise `CallTimeout`.
 
-        A call that times out before the worker started it is cancelled: it never runs.
-        One that times out while running hands its eventual result to `abandoned` (to
-        release what the result holds), since no caller will.
+        A call that the caller stops waiting for before the worker started it is cancelled:
+        it never runs. One that is already running hands its eventual result to `abandoned`
+        (to release what the result holds), since no caller will. That holds whatever ends
+        the wait: the deadline (`CallTimeout`), `close` (`StoreClosed`) or an exception
+        raised in the waiting thread (``KeyboardInterrupt``), which propagates.
         """
         future = self.submit(fn)
         try:
-            return future.result(timeout=deadline)
-        except FutureTimeout:
-            if not future.cancel() and abandoned is not None:
-                hand_over = abandoned
+            pending: tuple[Future[object], ...] = (future, self._closing)  # type: ignore[assignment]
+            wait(pending, timeout=max(deadline, 0.0), return_when=FIRST_COMPLETED)
+        except BaseException:
+            self._abandon(future, abandoned)
+            raise
+        if future.done():
+            return future.result()
+        self._abandon(future, abandoned)
+        if self._closing.done():
+            raise StoreClosed("the store was closed while this call waited")
+        raise CallTimeout(f"store call still running after {deadline:.3g} s")
 
-                def release(done: Future[T]) -> None:
-                    if done.exception() is None:
-                        hand_over(done.result())
+    @staticmethod
+    def _abandon(future: Future[T], abandoned: Callable[[T], object] | None) -> None:
+        if future.cancel() or abandoned is None:
+            return
+        hand_over = abandoned
 
-                future.add_done_callback(release)
-            raise CallTimeout(f"store call still running after {deadline:.3g} s") from None
+        def release(done: Future[T]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                hand_over(done.result())
+
+        future.add_done_callback(release)  # runs at once if the call is already done
 
     def stop(self) -> None:
         """Let the worker exit once the calls already queued have run."""
         self._tasks.put(None)
+
+    def close(self) -> None:
+        """Stop waiting: callers waiting now or later get `StoreClosed` at once, queued calls
+        that nobody waits for are cancelled, and the worker exits after the calls queued."""
+        if not self._closing.done():
+            self._closing.set_result(None)
+        self.stop()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the worker to exit; whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _work(self) -> None:
         while (task := self._tasks.get()) is not None:

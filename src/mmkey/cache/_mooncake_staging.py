@@ -1,0 +1,101 @@
+"""Staging for Mooncake transfers: one registered buffer, its lease, and adaptive read slots.
+
+Entries move between the store and a buffer registered with the binding (zero-copy
+`batch_get_into` / `batch_upsert_from`). A batch read splits the buffer into equal slots,
+one per key; the slot size follows the entries actually read, up after a large entry and
+back down after reads of small ones, so one large entry does not make every later read go
+one key per call.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from mmkey.errors import StoreError
+
+if TYPE_CHECKING:
+    import torch
+    from mooncake.store import MooncakeDistributedStore
+
+__all__ = ["ALIGN", "MIN_SLOT", "ReadSlots", "Staging", "aligned"]
+
+ALIGN = 64
+MIN_SLOT = 256 << 10
+"""The smallest slot a read reserves per key."""
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of `ALIGN`."""
+    return -(-n // ALIGN) * ALIGN
+
+
+class ReadSlots:
+    """How many bytes a batch read reserves per key, adapted to the entries read.
+
+    A read that finds an entry larger than the slot grows it to that entry at once; a read
+    whose entries were all smaller halves it towards them, never below `MIN_SLOT`. Not
+    thread-safe on its own: a stale value only costs an extra transfer, never a wrong entry.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.slot = min(MIN_SLOT, capacity)
+
+    def keys_per_transfer(self) -> int:
+        """How many keys one transfer into a buffer of `capacity` bytes takes."""
+        return max(1, self.capacity // self.slot)
+
+    def slot_for(self, keys: int) -> int:
+        """The slot each of `keys` keys gets in one transfer: the buffer split evenly."""
+        return self.capacity // max(keys, 1) // ALIGN * ALIGN
+
+    def observe(self, largest: int) -> None:
+        """A read whose largest entry had `largest` bytes (0: nothing was found)."""
+        if largest <= 0:
+            return
+        want = min(aligned(largest), self.capacity)
+        if want >= self.slot:
+            self.slot = want
+        else:
+            self.slot = max(min(MIN_SLOT, self.capacity), want, aligned(self.slot // 2))
+
+
+class Staging:
+    """A registered transfer buffer and the lease that guards it.
+
+    The lease is held from a transfer into the buffer until its caller has decoded the
+    entries (or, for writes, until the entries are flushed), so no other transfer overwrites
+    the buffer meanwhile. Registration and unregistration run on the store's worker.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.lease = threading.Lock()
+        self.slots = ReadSlots(nbytes)
+        self._tensor: torch.Tensor | None = None
+        self._view: memoryview | None = None
+        self.ptr = 0
+
+    def view(self, store: MooncakeDistributedStore) -> memoryview:
+        """The registered buffer, allocated and registered with `store` on first use."""
+        if self._view is None:
+            import torch
+
+            buf = torch.empty(self.nbytes, dtype=torch.uint8)
+            if store.register_buffer(buf.data_ptr(), buf.numel()) != 0:
+                raise StoreError("register_buffer of the staging buffer failed")
+            self._tensor, self._view, self.ptr = buf, buf.numpy().data, buf.data_ptr()
+        return self._view
+
+    def unregister(self, store: MooncakeDistributedStore) -> None:
+        """Unregister the buffer from `store` and drop it (on a store about to close)."""
+        if self._view is not None:
+            store.unregister_buffer(self.ptr)
+        self._tensor, self._view, self.ptr = None, None, 0
+
+    def detach(self) -> torch.Tensor | None:
+        """Forget the buffer without unregistering it; returns it (keep it alive while the
+        store that registered it lives)."""
+        tensor, self._tensor, self._view, self.ptr = self._tensor, None, None, 0
+        return tensor
