@@ -147,3 +147,64 @@ def test_abandoned_is_not_called_for_a_failed_or_a_cancelled_call() -> None:
     assert runner.call(lambda: "next", deadline=5) == "next"
     assert handed == [] and ran == []
     runner.stop()
+
+
+def test_an_exception_in_the_waiting_thread_hands_the_result_over() -> None:
+    # e.g. KeyboardInterrupt while the caller waits: what the call holds is released
+    import signal
+
+    runner = DeadlineRunner("test")
+    release = threading.Event()
+    handed: list[str] = []
+    done = threading.Event()
+
+    def hand(result: str) -> None:
+        handed.append(result)
+        done.set()
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            runner.call(lambda: (release.wait(10), "lease")[1], deadline=10, abandoned=hand)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    release.set()
+    assert done.wait(5) and handed == ["lease"]
+    runner.stop()
+
+
+def test_close_releases_waiting_callers_at_once_and_stops_the_worker() -> None:
+    from mmkey.errors import StoreClosed
+
+    runner = DeadlineRunner("test")
+    release, started = threading.Event(), threading.Event()
+    handed: list[str] = []
+    outcome: list[BaseException] = []
+
+    def hold() -> str:
+        started.set()
+        release.wait(10)
+        return "lease"
+
+    def waiter() -> None:
+        try:
+            runner.call(hold, deadline=30, abandoned=handed.append)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert started.wait(5)
+    runner.close()
+    thread.join(5)
+    assert not thread.is_alive() and isinstance(outcome[0], StoreClosed)
+    with pytest.raises(StoreClosed):
+        runner.call(lambda: "late", deadline=30)
+    release.set()
+    assert runner.join(5)
+    assert handed == ["lease"]

@@ -11,6 +11,7 @@ threads left to the process's exit, so that no thread ever freezes behind it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -35,6 +36,8 @@ MAX_STAGING = 256 << 20
 """Largest registered staging buffer; larger entries get a buffer of their own."""
 _PING_S = 1.0
 """The longest a liveness probe waits for the master (less when the call's time is short)."""
+_CLOSE_S = 30.0
+"""How long `close` waits for the binding's close once it began (it takes 1-2 s)."""
 
 
 def _abandon(*objects: object) -> None:
@@ -72,6 +75,9 @@ class StoreTransport:
         self._closed = False
         self._suspect = False  # a call failed: the master must answer before the next one
         self._lock = threading.Lock()
+        self._closing = "pending"
+        """How `close` ends, decided once under the lock: "close" (the binding's close runs,
+        and `close` waits for it) or "abandon" (the caller stopped waiting first)."""
 
     def is_connected(self) -> bool:
         """Whether the store is set up and the last call to it succeeded."""
@@ -156,8 +162,14 @@ class StoreTransport:
         self._lane.close()
         try:
             done.result(timeout=max(give_up - time.monotonic(), 0.0))
-        except Exception:  # still stuck: the worker abandons the store when it returns
-            self._on_error()
+            return
+        except Exception:
+            with self._lock:
+                if self._closing == "pending":  # stuck: the worker abandons it when it returns
+                    self._closing = "abandon"
+        if self._closing == "close":  # the binding's close has begun: it ends with it
+            with contextlib.suppress(Exception):
+                done.result(timeout=_CLOSE_S)
 
     # -- on the worker ----------------------------------------------------------------------
 
@@ -187,8 +199,12 @@ class StoreTransport:
         if store is None:
             return
         left = give_up - time.monotonic()
-        if left > 0 and self.master_answers(min(left, _PING_S)):
-            self.staging.unregister(store)
-            store.close()
-        else:
-            _abandon(store, self.staging.detach())
+        answered = left > 0 and self.master_answers(min(left, _PING_S))
+        with self._lock:
+            if not answered or self._closing == "abandon":
+                self._closing = "abandon"
+                _abandon(store, self.staging.detach())
+                return
+            self._closing = "close"
+        self.staging.unregister(store)
+        store.close()

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from mmkey._tensors import host_ready
 from mmkey.cache._guard import insert_args, key_texts
 from mmkey.cache._mooncake_staging import aligned
 from mmkey.cache._mooncake_transport import StoreTransport
@@ -339,6 +340,7 @@ class MooncakeCache:
     ) -> dict[str, bool]:
         """Upsert entries through the staging buffer on the worker, within one deadline."""
         sizes = [entry_size(text, t) for text, t in zip(texts, tensors)]
+        ready = host_ready(tensors)  # CUDA tensors: an event on the caller's current stream
         # The worker reads the caller's tensors only while holding `reading`, and never
         # after the caller stopped waiting (`released`): a caller that timed out may reuse
         # its tensors at once, and a late encode would store that new data under old keys.
@@ -352,6 +354,7 @@ class MooncakeCache:
                 encode_entry_into(target, text, tensor)
 
         def write(store: MooncakeDistributedStore) -> dict[str, bool]:
+            ready.wait()  # the caller's kernels writing the tensors have finished
             staging = self._staging.view(store)
             if not self._staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
                 raise TimeoutError("the staging buffer stayed busy past the call's deadline")

@@ -89,6 +89,14 @@ class MooncakeConfig:
     Field names are Mooncake's own. Sizes are bytes. Deadlines are seconds: no cache
     call blocks its caller longer than `deadline` (or `setup_deadline` to connect);
     after a failure the store is left alone for `retry_after` seconds.
+
+    Where entries live: in the memory segment (`global_segment_size`) of the process that
+    wrote them, wherever the master placed them among the segments mounted at the time.
+    When a process closes its cache or exits, the entries in its segment are gone for
+    every reader. To keep entries across restarts of serving processes, make those pure
+    clients (``global_segment_size=0``) and run dedicated holder processes that lend the
+    memory and outlive them (and store more than one replica, so a holder's death loses
+    nothing).
     """
 
     master_server_address: str = attrs.field(validator=_address)
@@ -97,9 +105,12 @@ class MooncakeConfig:
     device_name: str = attrs.field(default="", validator=_text)
     metadata_server: str = attrs.field(default="P2PHANDSHAKE", validator=[_text, attrs.validators.min_len(1)])
     global_segment_size: int = attrs.field(default=512 << 20, validator=_non_negative_size)
-    """Memory this client lends to the store (0: a pure client that holds nothing)."""
+    """Memory this client lends to the store; entries written anywhere may be placed in it,
+    and they vanish when this client closes (0: a pure client that holds nothing)."""
     local_buffer_size: int = attrs.field(default=128 << 20, validator=_positive_size)
-    """Transfer buffer; also the largest entry one put can carry."""
+    """Mooncake's transfer buffer for this client; `MooncakeCache` also sizes its registered
+    staging buffer from it (at most 256 MiB). Not a limit on entry size: larger entries
+    are written and read through a buffer of their own."""
     deadline: float = attrs.field(default=0.5, validator=_seconds)
     setup_deadline: float = attrs.field(default=5.0, validator=_seconds)
     retry_after: float = attrs.field(default=1.0, validator=_seconds)
