@@ -275,6 +275,19 @@ def test_has_cache_item_without_a_request_checks_every_modality() -> None:
             fresh.shutdown()
 
 
+def test_items_behind_the_computed_tokens_are_not_asked_about_again() -> None:
+    cfg = vllm_config("ec_both", namespace="n5", store="memory")
+    with connector(cfg, "scheduler") as sched:
+        req = request("a", [("first", "image", 4), ("second", "image", 4)])  # offsets 1 and 6
+        assert sched.ensure_cache_available(req, 5)  # "first" is behind: only "second" is asked
+        assert sched.totals() == {"lookups": 1}
+        assert sched.ensure_cache_available(req, 10)  # decoding: nothing left to ask
+        sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert sched.ensure_cache_available(req, 10)
+        assert sched.totals() == {"lookups": 1}
+        assert sched.key("first", Modality.IMAGE) is sched.key("first", Modality.IMAGE)
+
+
 def test_unknown_modalities_are_neither_looked_up_nor_saved() -> None:
     cfg = vllm_config("ec_both", namespace="n2", store="memory")
     with connector(cfg, "scheduler") as sched:

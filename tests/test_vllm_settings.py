@@ -15,6 +15,7 @@ from mmkey.integrations._vllm_settings import (
     ConnectorSettings,
     StoreKind,
     identifier_key,
+    identifier_keys,
     modality_of,
     vllm_namespace,
 )
@@ -47,6 +48,13 @@ def test_keys_of_vllm_identifiers_are_id_digests_of_the_text(
     assert (key.namespace, key.modality, key.scheme) == (namespace, modality, HashScheme.ID)
     assert key.digest == identifier_digest(identifier)
     assert key.to_key().endswith(f"@id@{key.digest:032x}")
+
+
+@given(namespaces(), modalities(), st.lists(identifiers, max_size=8))
+def test_keys_built_together_are_the_same_keys(namespace: str, modality: Modality, ids: list[str]) -> None:
+    together = identifier_keys(namespace, modality, ids)
+    assert together == [identifier_key(namespace, modality, i) for i in ids]
+    assert [k.to_key() for k in together] == [identifier_key(namespace, modality, i).to_key() for i in ids]
 
 
 def test_identifier_text_is_checked() -> None:

@@ -7,7 +7,7 @@ values to these functions, so they are tested without the stack.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -22,6 +22,7 @@ __all__ = [
     "ConnectorSettings",
     "StoreKind",
     "identifier_key",
+    "identifier_keys",
     "modality_of",
     "vllm_namespace",
 ]
@@ -60,6 +61,12 @@ def identifier_key(namespace: str, modality: Modality, identifier: str) -> Embed
     never share a key, and nothing about the text is parsed or normalised.
     """
     return EmbeddingKey(namespace, modality, HashScheme.ID, identifier_digest(identifier))
+
+
+def identifier_keys(namespace: str, modality: Modality, identifiers: Sequence[str]) -> list[EmbeddingKey]:
+    """`identifier_key` of many identifiers under one namespace and modality, built together."""
+    digests = [identifier_digest(identifier) for identifier in identifiers]
+    return EmbeddingKey.for_digests(namespace, modality, HashScheme.ID, digests)
 
 
 def vllm_namespace(model: str, revision: str | None, encoder_config: str, dtype: str) -> str:

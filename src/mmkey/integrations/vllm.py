@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,7 @@ from mmkey.integrations._background_saver import BackgroundSaver
 from mmkey.integrations._vllm_settings import (
     ConnectorSettings,
     StoreKind,
-    identifier_key,
+    identifier_keys,
     modality_of,
     vllm_namespace,
 )
@@ -282,6 +283,7 @@ class MMKeyECConnector(ECConnectorBase):
         self._namespace = self._settings.namespace or namespace_from_vllm_config(vllm_config)
         self._counts = _Counters()
         self._warnings = _Warnings()
+        self._keys: dict[tuple[str, Modality], EmbeddingKey] = {}
         self._closed = False
         self._cache = self._open_cache(role)
         self._saver: BackgroundSaver | None = None
@@ -319,7 +321,23 @@ class MMKeyECConnector(ECConnectorBase):
 
     def key(self, identifier: str, modality: Modality) -> EmbeddingKey:
         """The key of a vLLM identifier under this connector's namespace."""
-        return identifier_key(self._namespace, modality, identifier)
+        return self.keys([(identifier, modality)])[0]
+
+    def keys(self, items: Sequence[tuple[str, Modality]]) -> list[EmbeddingKey]:
+        """Keys of (identifier, modality) pairs, built together and remembered a while."""
+        memo = self._keys
+        missing: dict[Modality, list[str]] = {}
+        for identifier, modality in items:
+            if (identifier, modality) not in memo:
+                missing.setdefault(modality, []).append(identifier)
+        for modality, identifiers in missing.items():
+            unique = list(dict.fromkeys(identifiers))
+            for identifier, key in zip(unique, identifier_keys(self._namespace, modality, unique)):
+                memo[(identifier, modality)] = key
+        keys = [memo[item] for item in items]
+        while len(memo) > _MAX_TRACKED:
+            del memo[next(iter(memo))]  # the oldest
+        return keys
 
     def totals(self) -> dict[str, int]:
         """Every counter since this connector was made (the stats hooks give intervals)."""
@@ -367,17 +385,15 @@ class MMKeyECConnector(ECConnectorBase):
 
     def _lookup(self, items: dict[str, tuple[Modality, ...]]) -> None:
         """Ask the store about each identifier under its candidate modalities, in one call."""
-        keys: list[EmbeddingKey] = []
         owners: list[tuple[str, Modality]] = []
         for identifier, modalities in items.items():
             if self._blocked(identifier):
                 self._missing.add(identifier)
                 continue
-            for modality in modalities:
-                keys.append(self.key(identifier, modality))
-                owners.append((identifier, modality))
-        if not keys:
+            owners += [(identifier, modality) for modality in modalities]
+        if not owners:
             return
+        keys = self.keys(owners)
         before = self._errors()
         try:
             present = self._cache.batch_is_exist(keys)
@@ -396,11 +412,16 @@ class MMKeyECConnector(ECConnectorBase):
         self._counts.add(lookups=len(items), found=sum(i in self._found for i in items))
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Look up every cacheable item of `request` in one store call; never defers it."""
+        """Look up the request's items still ahead of `num_computed_tokens` in one store call.
+
+        Never defers the request. Items already behind the computed tokens (a request in
+        decode) are not asked about again.
+        """
         wanted: dict[str, tuple[Modality, ...]] = {}
         for feature in request.mm_features:
             modality = modality_of(feature.modality)
-            if modality is None:
+            position = feature.mm_position
+            if modality is None or position.offset + position.length <= num_computed_tokens:
                 continue
             self._remember(feature.identifier, modality)
             if feature.identifier not in self._found and feature.identifier not in self._missing:
@@ -526,7 +547,7 @@ class MMKeyECConnector(ECConnectorBase):
         self._counts.add(loads=len(wanted), loaded=loaded, load_failures=len(wanted) - loaded)
 
     def _read(self, items: list[LoadItem]) -> list[torch.Tensor | None]:
-        keys = [self.key(item.identifier, item.modality) for item in items]
+        keys = self.keys([(item.identifier, item.modality) for item in items])
         before = self._errors()
         try:
             tensors = self._cache.get_embeddings(keys)
