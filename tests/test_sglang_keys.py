@@ -1,0 +1,109 @@
+"""SGLang hash text to keys (mmkey.integrations._sglang_keys): strict, injective, no truncation.
+
+Needs no SGLang: the mapping is pure, so these run in every environment.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from mmkey import EmbeddingKey, HashScheme, InvalidKey, Modality, identifier_digest
+from mmkey.integrations._sglang_keys import SGLANG_HASH_LIMIT, sglang_digest, sglang_key
+
+MANY = settings(max_examples=2000)
+CANONICAL = re.compile(r"0|[1-9][0-9]*")
+
+
+def hash_values() -> st.SearchStrategy[int]:
+    """Non-negative ints of every width SGLang may hand over, edges weighted in."""
+    edges = st.sampled_from(
+        [0, 1, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1, 2**64, 2**64 + 1, 2**128 - 1, 2**128, 10**19, 10**20]
+    )
+    widths = st.integers(0, 300).flatmap(lambda bits: st.integers(0, 2**bits))
+    return st.one_of(edges, widths)
+
+
+def hash_texts() -> st.SearchStrategy[str]:
+    """Decimal text of ints of every width, and junk near it."""
+    decimal = hash_values().map(str)
+    junk_char = st.sampled_from(list("0123456789 +-_\n\t.e") + ["\u0661", "\uff11", "\u00b2", "0x"])
+    near = st.tuples(decimal, st.integers(0, 25), junk_char).map(lambda t: t[0][: t[1]] + t[2] + t[0][t[1] :])
+    return st.one_of(decimal, near, st.text(max_size=30))
+
+
+@MANY
+@given(hash_values())
+@example(0)
+@example(2**64 - 1)
+@example(2**64)
+def test_narrow_values_keep_their_sglang_digest_wide_ones_become_identifiers(value: int) -> None:
+    scheme, digest = sglang_digest(str(value))
+    if value < SGLANG_HASH_LIMIT:
+        assert (scheme, digest) == (HashScheme.SGLANG, value)
+    else:
+        assert (scheme, digest) == (HashScheme.ID, identifier_digest(str(value)))
+
+
+@MANY
+@given(hash_texts(), hash_texts())
+@example("1", "01")
+@example("18446744073709551615", "18446744073709551616")
+@example("0", "")
+@example("7", "\u0667")  # ARABIC-INDIC DIGIT SEVEN: int() reads it as 7
+@example("1000", "1_000")  # int() reads it as 1000
+@example("5", " 5")
+@example("5", "5\n")
+@example("5", "+5")
+@example(str(2**64 + 5), str(5))  # never truncated into the 64-bit scheme
+def test_distinct_hash_texts_never_share_a_key(a: str, b: str) -> None:
+    keys: list[str | None] = []
+    for text in (a, b):
+        try:
+            keys.append(sglang_key("model", Modality.IMAGE, text).to_key())
+        except InvalidKey:
+            assert CANONICAL.fullmatch(text) is None
+            keys.append(None)
+        else:
+            assert CANONICAL.fullmatch(text) is not None
+    if a != b and None not in keys:
+        assert keys[0] != keys[1]
+    if a == b:
+        assert keys[0] == keys[1]
+
+
+@MANY
+@given(hash_texts())
+@example("-1")
+@example("00")
+@example("1e3")
+@example("\u0661\u0662")
+def test_only_canonical_decimal_is_accepted(text: str) -> None:
+    try:
+        key = sglang_key("model", Modality.AUDIO, text)
+    except InvalidKey as exc:
+        assert CANONICAL.fullmatch(text) is None
+        assert "canonical decimal" in str(exc)
+    else:
+        assert str(int(text)) == text
+        assert EmbeddingKey.from_key(key.to_key()) == key
+
+
+def test_keys_carry_namespace_and_modality() -> None:
+    image = sglang_key("qwen@1", Modality.IMAGE, "42")
+    assert image.to_key() == "mmk1@qwen%401@image@sglang@000000000000002a"
+    assert sglang_key("qwen@2", Modality.IMAGE, "42") != image
+    assert sglang_key("qwen@1", Modality.AUDIO, "42") != image
+
+
+def test_huge_text_is_an_identifier_without_int_conversion() -> None:
+    text = "9" * 10_000  # beyond int()'s default 4300-digit limit for str conversion
+    assert sglang_digest(text) == (HashScheme.ID, identifier_digest(text))
+
+
+def test_non_text_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"str\(h\)"):
+        sglang_digest(42)  # type: ignore[arg-type]

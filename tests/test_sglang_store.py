@@ -1,0 +1,354 @@
+"""MMKeyEmbeddingStore through SGLang's own classes, against a real local mooncake_master.
+
+Runs in SGLang's environment (``make test-sglang``); skips elsewhere unless
+MMKEY_REQUIRE_SGLANG=1.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from sglang_support import MiB, require_sglang, unpinned_controller, wait_until
+
+require_sglang()
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.embedding_cache_controller import (  # noqa: E402
+    EmbeddingCacheController,
+    EmbeddingCacheEntry,
+    EntryState,
+)
+from sglang.srt.mem_cache.embedding_store import EmbeddingStore, EmbeddingStoreFactory  # noqa: E402
+from sglang.srt.multimodal.modality import Modality as SGLangModality  # noqa: E402
+
+from mmkey import MooncakeConfig, Modality  # noqa: E402
+from mmkey.integrations.sglang import MMKeyEmbeddingStore  # noqa: E402
+from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
+
+pytestmark = pytest.mark.mooncake
+
+DEADLINE = 0.4
+BOUND = DEADLINE + 2.0  # scheduling noise on a loaded machine, never a store hang (30 s)
+DIMS = {"image": 64, "audio": 32}
+DTYPE = torch.bfloat16
+NAMESPACE = "qwen2.5-vl-7b@rev1"
+
+
+def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
+    fields: dict[str, object] = {
+        "master_server_address": master.address,
+        "global_segment_size": 64 * MiB,
+        "local_buffer_size": 16 * MiB,
+        "deadline": DEADLINE,
+        "setup_deadline": 5.0,
+        "retry_after": 0.2,
+    }
+    fields.update(overrides)
+    return MooncakeConfig(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def make_store(mooncake_master_session: MasterProcess) -> Iterator[Callable[..., MMKeyEmbeddingStore]]:
+    made: list[MMKeyEmbeddingStore] = []
+
+    def make(namespace: str = NAMESPACE, master: MasterProcess | None = None) -> MMKeyEmbeddingStore:
+        store = MMKeyEmbeddingStore(namespace=namespace, config=config(master or mooncake_master_session))
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+def fill(controller: EmbeddingCacheController, mm_hash: str, tensor: torch.Tensor, modality: SGLangModality) -> None:
+    """Put `tensor` into the controller's host pool as a READY entry.
+
+    Stands in for SGLang's `store_to_pool_async`, which copies from a CUDA tensor; the page
+    allocation and the copy into page runs are SGLang's own.
+    """
+    pool = controller._get_pool(modality)
+    assert pool is not None
+    with controller.lock:
+        runs = controller._allocate_with_eviction(pool, tensor.shape[0])
+        assert runs is not None
+        entry = EmbeddingCacheEntry(
+            hash=mm_hash,
+            modality=modality,
+            num_tokens=tensor.shape[0],
+            dim=tensor.shape[1],
+            page_runs=runs,
+            state=EntryState.FILLING,
+        )
+        controller.entries[mm_hash] = entry
+    controller._copy_embedding_page_runs(tensor, pool.tensor, entry, pool, src_is_pool=False)
+    with controller.lock:
+        controller._mark_ready(entry)
+
+
+def publish(controller: EmbeddingCacheController, hashes: list[str], modality: SGLangModality) -> None:
+    """SGLang's insert_batch, waiting until its I/O thread has put every entry."""
+    controller.insert_batch(hashes, modality)
+    assert wait_until(lambda: all(controller.entries[h].ref_count == 0 for h in hashes), 30)
+
+
+def fetch(
+    controller: EmbeddingCacheController, hashes: list[str], tokens: list[int], modality: SGLangModality
+) -> list[torch.Tensor | None]:
+    """SGLang's prefetch and pool views: the embedding each hash landed as, or None."""
+    controller.prefetch("req", hashes, tokens, modality)
+    assert wait_until(lambda: controller.check_prefetch_progress("req"), 30)
+    views = controller.get_pool_views(hashes)
+    found = [None if v is None else torch.cat(v).clone() for v in views]
+    controller.release_pool_views([h for h, v in zip(hashes, views) if v is not None])
+    return found
+
+
+def embedding(tokens: int, dim: int, seed: int) -> torch.Tensor:
+    return torch.randn(tokens, dim, generator=torch.Generator().manual_seed(seed)).to(DTYPE)
+
+
+# -- SGLang's factory and classes -------------------------------------------------------------
+
+
+def test_is_an_sglang_embedding_store(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
+    assert issubclass(MMKeyEmbeddingStore, EmbeddingStore)
+    store = make_store()
+    assert isinstance(store, EmbeddingStore)
+    assert store.get_key("42") == "mmk1@qwen2.5-vl-7b%40rev1@image@sglang@000000000000002a"
+
+
+def test_factory_creates_it_from_the_environment(
+    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(EmbeddingStoreFactory, "_registry", dict(EmbeddingStoreFactory._registry))
+    monkeypatch.setenv("MMKEY_NAMESPACE", "factory-model")
+    monkeypatch.setenv("MOONCAKE_MASTER", mooncake_master_session.address)
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "16MB")
+    monkeypatch.setenv("MOONCAKE_LOCAL_BUFFER_SIZE", "16MB")
+    monkeypatch.setenv("MMKEY_DEADLINE", "1.5")
+    EmbeddingStoreFactory.register_backend("mmkey", "mmkey.integrations.sglang", "MMKeyEmbeddingStore")
+    store = EmbeddingStoreFactory.create_backend("mmkey")
+    try:
+        assert isinstance(store, MMKeyEmbeddingStore)
+        assert store.namespace == "factory-model"
+        assert store.cache.config.master_server_address == mooncake_master_session.address
+        assert store.cache.config.deadline == 1.5
+        assert store.cache.is_connected()
+    finally:
+        store.close()  # type: ignore[attr-defined]
+
+
+def test_missing_namespace_is_a_startup_error_naming_the_variable(
+    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MMKEY_NAMESPACE", raising=False)
+    monkeypatch.setenv("MOONCAKE_MASTER", mooncake_master_session.address)
+    with pytest.raises(ValueError, match="MMKEY_NAMESPACE"):
+        MMKeyEmbeddingStore()
+
+
+# -- SGLang's EmbeddingCacheController over the store --------------------------------------------
+
+
+def test_paged_round_trip_through_sglang_controllers(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
+    writer_store, reader_store = make_store(), make_store()
+    image = SGLangModality.IMAGE
+    with unpinned_controller(writer_store, DIMS, DTYPE) as writer, unpinned_controller(
+        reader_store, DIMS, DTYPE
+    ) as reader:
+        pool = writer.vision_pool
+        # fragment the writer's pool so one embedding spans two page runs
+        fillers = [f"{9000 + i}" for i in range(pool.num_pages)]
+        for i, h in enumerate(fillers):
+            fill(writer, h, embedding(pool.page_size, 64, i), image)
+        with writer.lock:
+            for h in (fillers[1], fillers[3]):
+                pool.allocator.free(writer.entries.pop(h).page_runs)
+        wide = str(2**100 + 7)  # a 128-bit-style hash: an identifier key, never truncated
+        tokens = pool.page_size + 5
+        expected = {"123456789": embedding(tokens, 64, 100), wide: embedding(300, 64, 101)}
+        fill(writer, "123456789", expected["123456789"], image)  # lands in the two holes
+        assert [(r.start, r.length) for r in writer.entries["123456789"].page_runs] == [(1, 1), (3, 1)]
+        with writer.lock:
+            pool.allocator.free(writer.entries.pop(fillers[5]).page_runs)
+        fill(writer, wide, expected[wide], image)
+        publish(writer, list(expected), image)
+
+        # the audio pool has its own keys: an image entry never lands there
+        assert fetch(reader, ["123456789"], [tokens], SGLangModality.AUDIO) == [None]
+        got = fetch(reader, list(expected), [t.shape[0] for t in expected.values()], image)
+        for t, g in zip(expected.values(), got):
+            assert g is not None and torch.equal(g, t)
+    stats = reader_store.stats()
+    assert (stats.hits, stats.misses, stats.corrupt) == (2, 1, 0)
+
+
+def test_audio_pool_round_trip_and_exists_in_any_pool(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
+    writer_store, reader_store = make_store(), make_store()
+    audio = SGLangModality.AUDIO
+    with unpinned_controller(writer_store, DIMS, DTYPE) as writer, unpinned_controller(
+        reader_store, DIMS, DTYPE
+    ) as reader:
+        clip = embedding(700, 32, 7)
+        fill(writer, "77", clip, audio)
+        publish(writer, ["77"], audio)
+        assert reader_store.batch_is_exist(["77", "78"]) == [True, False]
+        assert writer_store.key_for("77", Modality.AUDIO).to_key().startswith("mmk1@qwen2.5-vl-7b%40rev1@audio@")
+        got = fetch(reader, ["77"], [700], audio)
+        assert got[0] is not None and torch.equal(got[0], clip)
+
+
+# -- what never verifies ------------------------------------------------------------------------
+
+
+def raw_client(master: MasterProcess) -> object:
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", master.address) == 0
+    return raw
+
+
+def pages(store: MMKeyEmbeddingStore, tokens: int, dim: int = 64) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
+    """A registered vision pool and one run of `tokens` rows at its start."""
+    pool = torch.zeros(4096, dim, dtype=DTYPE)
+    store.register_buffer(pool)
+    return pool, [[pool.data_ptr()]], [[tokens * dim * pool.element_size()]]
+
+
+def test_corrupted_stored_bytes_are_a_counted_miss(
+    make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess
+) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    writer, reader = make_store(), make_store()
+    src, ptrs, sizes = pages(writer, 100)
+    src[:100] = embedding(100, 64, 1)
+    assert writer.batch_put_from_multi_buffers(["5"], ptrs, sizes) == [True]
+    key = writer.get_key("5")
+    raw = raw_client(mooncake_master_session)
+    assert isinstance(raw, MooncakeDistributedStore)
+    try:
+        entry = bytearray(raw.get(key))
+        entry[-3] ^= 0x40  # one bit of the payload
+        assert raw.upsert(key, bytes(entry)) == 0
+    finally:
+        raw.close()
+    dst, ptrs, sizes = pages(reader, 100)
+    assert reader.batch_get_into_multi_buffers(["5"], ptrs, sizes) == [False]
+    assert reader.stats().corrupt == 1
+    assert not dst.any()  # nothing that failed verification reached SGLang's pages
+
+
+def test_entry_of_another_namespace_is_a_miss_and_never_served(
+    make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess
+) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    ours, theirs = make_store("model-a"), make_store("model-b")
+    src, ptrs, sizes = pages(theirs, 10)
+    src[:10] = embedding(10, 64, 2)
+    assert theirs.batch_put_from_multi_buffers(["6"], ptrs, sizes) == [True]
+    dst, ptrs, sizes = pages(ours, 10)
+    assert ours.batch_is_exist(["6"]) == [False]
+    assert ours.batch_get_into_multi_buffers(["6"], ptrs, sizes) == [False]
+    # their entry copied under our key: the key echo in the entry refuses it
+    raw = raw_client(mooncake_master_session)
+    assert isinstance(raw, MooncakeDistributedStore)
+    try:
+        assert raw.upsert(ours.get_key("6"), raw.get(theirs.get_key("6"))) == 0
+    finally:
+        raw.close()
+    assert ours.batch_get_into_multi_buffers(["6"], ptrs, sizes) == [False]
+    assert ours.stats().corrupt == 1
+    assert not dst.any()
+
+
+def test_entry_that_does_not_fit_the_pages_is_a_counted_miss(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
+    writer, reader = make_store(), make_store()
+    src, ptrs, sizes = pages(writer, 20, dim=64)
+    src[:20] = embedding(20, 64, 3)
+    assert writer.batch_put_from_multi_buffers(["8"], ptrs, sizes) == [True]
+    dst, ptrs, sizes = pages(reader, 40, dim=32)  # same bytes, another shape
+    assert reader.batch_get_into_multi_buffers(["8"], ptrs, sizes) == [False]
+    assert reader.stats().corrupt == 1
+    assert not dst.any()
+
+
+def test_bad_hash_text_and_unknown_memory_are_misses_not_exceptions(
+    make_store: Callable[..., MMKeyEmbeddingStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    store = make_store()
+    pool, ptrs, sizes = pages(store, 4)
+    elsewhere = torch.zeros(4, 64, dtype=DTYPE)
+    with caplog.at_level(logging.ERROR, logger="mmkey.integrations.sglang"):
+        assert store.batch_is_exist(["12", "012", "-3", "abc"]) == [False] * 4
+        assert store.batch_put_from_multi_buffers(["1_0", "10"], ptrs * 2, [[8 * 64 * 2]] + sizes) == [False, True]
+        assert store.batch_get_into_multi_buffers(["10"], [[elsewhere.data_ptr()]], sizes) == [False]
+        assert store.batch_get_into_multi_buffers(["10", "10"], ptrs, sizes) == [False, False]  # lengths differ
+    assert "canonical decimal" in caplog.text
+    assert "no registered pool" in caplog.text
+    assert store.stats().skipped >= 5
+
+
+# -- a master that hangs or dies -----------------------------------------------------------------
+
+
+def timed(fn: Callable[[], list[bool]]) -> tuple[list[bool], float]:
+    start = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - start
+
+
+def every_call(store: MMKeyEmbeddingStore, ptrs: list[list[int]], sizes: list[list[int]]) -> list[Callable[[], list[bool]]]:
+    return [
+        lambda: store.batch_is_exist(["1", "2"]),
+        lambda: store.batch_get_into_multi_buffers(["1"], ptrs, sizes),
+        lambda: store.batch_put_from_multi_buffers(["3"], ptrs, sizes),
+        lambda: store.batch_get(["1"], ptrs[0], sizes[0]),
+        lambda: store.batch_put(["4"], ptrs[0], sizes[0]),
+    ]
+
+
+@pytest.mark.parametrize("fault", ["hung", "dead"])
+def test_every_call_returns_false_within_the_deadline_when_the_master_fails(
+    fault: str, mooncake_master: MasterProcess, make_store: Callable[..., MMKeyEmbeddingStore]
+) -> None:
+    store = make_store(master=mooncake_master)
+    pool, ptrs, sizes = pages(store, 50)
+    assert store.batch_put_from_multi_buffers(["1"], ptrs, sizes) == [True]
+    if fault == "hung":
+        mooncake_master.pause()
+    else:
+        mooncake_master.kill()
+    try:
+        for _ in range(2):
+            for call in every_call(store, ptrs, sizes):
+                result, took = timed(call)
+                assert not any(result)
+                assert took < BOUND, f"{took:.2f} s"
+    finally:
+        if fault == "hung":
+            mooncake_master.resume()
+    assert store.stats().errors >= 1
+
+
+def test_controller_io_thread_is_never_stalled_by_a_hung_master(
+    mooncake_master: MasterProcess, make_store: Callable[..., MMKeyEmbeddingStore]
+) -> None:
+    store = make_store(master=mooncake_master)
+    with unpinned_controller(store, DIMS, DTYPE) as controller:
+        mooncake_master.pause()
+        try:
+            start = time.monotonic()
+            controller.prefetch("req", ["1", "2"], [10, 10], SGLangModality.IMAGE)
+            assert wait_until(lambda: controller.check_prefetch_progress("req"), BOUND)
+            assert time.monotonic() - start < BOUND
+            assert not controller.has_local_embedding("1")
+        finally:
+            mooncake_master.resume()
