@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import attrs
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
@@ -73,8 +73,7 @@ _CHUNK = 64 << 20
 """Bytes of embeddings per store call, so each call fits its deadline."""
 _LOG_EVERY = 10.0
 
-logger = logging.getLogger(__name__)
-T = TypeVar("T")
+logger: logging.Logger = logging.getLogger(__name__)
 
 
 def namespace_from_env(environ: Mapping[str, str] | None = None) -> str:
