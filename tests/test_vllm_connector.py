@@ -222,6 +222,34 @@ def test_a_hung_or_dead_master_is_a_miss_within_the_deadline_and_recovers(
         assert wait_until(recovered, 30.0)
 
 
+@pytest.mark.mooncake
+def test_a_connector_made_while_the_master_is_down_starts_and_joins_it_later(
+    mooncake_master: MasterProcess,
+) -> None:
+    cfg = vllm_config("ec_both", namespace="m", mooncake=mooncake_extra(mooncake_master, setup_deadline=1.0))
+    mooncake_master.kill()
+    try:
+        start = time.monotonic()
+        with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+            assert time.monotonic() - start < 2 * (1.0 + BOUND)  # never Mooncake's ~90 s setup
+            meta, hits = schedule(sched, [request("a", [("early", "image", 4)])])
+            assert hits == [] and set(meta.saves) == {"early"}
+            mooncake_master.restart()
+
+            def works() -> bool:
+                meta, hits = schedule(sched, [request("b", [("late", "image", 4)])])
+                if hits:
+                    return True
+                produce(worker, meta, {"late": embedding(4, 17)})
+                worker.flush_saves(5.0)
+                return schedule(sched, [request("c", [("late", "image", 4)])])[1] == ["late"]
+
+            assert wait_until(works, 30.0)
+    finally:
+        if not mooncake_master.is_running():
+            mooncake_master.restart()
+
+
 def test_memory_store_serves_both_sides_of_one_process() -> None:
     cfg = vllm_config("ec_both", namespace="one-node", store="memory", memory_max_bytes="8MB")
     with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
