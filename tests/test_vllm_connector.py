@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_support import (
     BOUND,
@@ -283,6 +285,50 @@ def test_a_producer_skips_what_is_stored_and_saves_the_rest() -> None:
         assert hits == ["x"]  # vLLM does not encode it again
         assert meta.loads == ()  # and a producer loads nothing
         assert set(meta.saves) == {"z"}
+
+
+# vLLM keys its own encoder cache by identifier alone: one identifier, one modality
+_MEDIA = [("a", "image"), ("b", "video"), ("c", "audio"), ("0a", "image"), ("A", "video"), ("uuid-1", "audio")]
+item_lists = st.lists(
+    st.tuples(st.sampled_from(_MEDIA), st.integers(1, 6)).map(lambda t: (t[0][0], t[0][1], t[1])),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=25)
+@given(st.lists(item_lists, min_size=1, max_size=6))
+def test_whatever_the_requests_a_load_is_exactly_what_was_encoded(requests: list[list[tuple[str, str, int]]]) -> None:
+    """Any sequence of requests on one ec_both node: every loaded output is the one encoded for
+    that identifier, modality and row count; nothing else is ever put in the encoder cache."""
+
+    def encoded(identifier: str, modality: str, rows: int) -> torch.Tensor:
+        seed = int.from_bytes(f"{identifier}/{modality}/{rows}".encode()[:8].ljust(8, b"."), "little")
+        return embedding(rows, seed % (1 << 31))
+
+    cfg = vllm_config("ec_both", namespace=f"prop-{len(requests)}", store="memory")
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        first_rows: dict[tuple[str, str], int] = {}
+        for n, items in enumerate(requests):
+            unique = list({i: (i, m, r) for i, m, r in items}.values())
+            meta, hits = schedule(sched, [request(f"r{n}", unique)])
+            encoder_cache: dict[str, torch.Tensor] = {}
+            worker.bind_connector_metadata(meta)
+            worker.start_load_caches(encoder_cache)
+            failed = worker.build_connector_worker_meta()
+            worker.clear_connector_metadata()
+            for identifier, tensor in encoder_cache.items():
+                item = next(x for x in meta.loads if x.identifier == identifier)
+                rows = item.num_embeds
+                assert first_rows[(identifier, item.modality.value)] == rows
+                assert torch.equal(tensor, encoded(identifier, item.modality.value, rows))
+            loaded_or_failed = set(encoder_cache) | (failed.failed if isinstance(failed, MMKeyECWorkerMetadata) else set())
+            assert loaded_or_failed == {x.identifier for x in meta.loads}
+            produce(worker, meta, {i: encoded(i, meta.saves[i].value, r) for i, m, r in unique if i in meta.saves})
+            assert worker.flush_saves(10.0)
+            for i, m, r in unique:
+                if i in meta.saves:
+                    first_rows.setdefault((i, m), r)
 
 
 def test_has_cache_item_without_a_request_checks_every_modality() -> None:
