@@ -43,6 +43,7 @@ from mmkey.integrations.vllm import (  # noqa: E402
     MMKeyECMetadata,
     MMKeyECStats,
     MMKeyECWorkerMetadata,
+    namespace_from_vllm_config,
 )
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
@@ -407,6 +408,31 @@ def test_stats_flow_through_vllms_hooks() -> None:
         total.reset()
         assert total.is_empty()
         assert sched.get_ec_connector_stats() is None  # intervals do not repeat
+
+
+def test_the_namespace_names_model_revision_multimodal_config_and_dtype() -> None:
+    """vLLM's `MultiModalConfig`; the model config is a stand-in (a real one needs a model)."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from vllm.config import MultiModalConfig, VllmConfig
+
+    def namespace(model: str = "Qwen/Qwen2-VL-7B", revision: str | None = None, dtype: object = torch.bfloat16,
+                  mm: MultiModalConfig | None = None) -> str:
+        model_config = SimpleNamespace(model=model, revision=revision, dtype=dtype, multimodal_config=mm)
+        return namespace_from_vllm_config(cast(VllmConfig, SimpleNamespace(model_config=model_config)))
+
+    base = namespace(mm=MultiModalConfig())
+    assert base.startswith("vllm/Qwen/Qwen2-VL-7B@default/bfloat16#")
+    assert base == namespace(mm=MultiModalConfig())  # the same setup, the same namespace
+    others = [
+        namespace(model="Qwen/Qwen2-VL-2B", mm=MultiModalConfig()),
+        namespace(revision="v2", mm=MultiModalConfig()),
+        namespace(dtype=torch.float16, mm=MultiModalConfig()),
+        namespace(mm=MultiModalConfig(mm_processor_kwargs={"max_pixels": 1024})),
+        namespace(mm=None),
+    ]
+    assert len({base, *others}) == 6
 
 
 def test_a_model_less_config_needs_a_namespace_and_bad_extra_config_is_refused(

@@ -22,6 +22,7 @@ itself.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -81,7 +82,10 @@ _LOAD_CHUNK_BYTES = 64 << 20
 
 
 def namespace_from_vllm_config(vllm_config: VllmConfig) -> str:
-    """The namespace of a vLLM setup: model, revision, multimodal config hash and dtype.
+    """The namespace of a vLLM setup: model, revision, multimodal config and dtype.
+
+    The multimodal part is vLLM's own hash of the encoder configuration plus the processor
+    kwargs.
 
     Raises `ValueError` when the config has no model (a model-less test): pass
     ``"namespace"`` in ``ec_connector_extra_config`` then.
@@ -93,7 +97,12 @@ def namespace_from_vllm_config(vllm_config: VllmConfig) -> str:
             "namespace from; set ec_connector_extra_config={'namespace': '<model@revision>'}"
         )
     mm_config = model_config.multimodal_config
-    encoder = mm_config.compute_hash() if mm_config is not None else "no-multimodal-config"
+    encoder = "no-multimodal-config"
+    if mm_config is not None:
+        # vLLM's hash covers the encoder's computation; the processor kwargs (resizing and
+        # the like) change the embedding of a caller's uuid too, which vLLM's hash does not
+        kwargs = json.dumps(mm_config.mm_processor_kwargs or {}, sort_keys=True, default=repr)
+        encoder = f"{mm_config.compute_hash()}|{kwargs}"
     return vllm_namespace(
         str(model_config.model), model_config.revision, encoder, str(model_config.dtype)
     )
