@@ -5,7 +5,8 @@ Starts a local master and a separate segment holder on 127.0.0.1; both stores ar
 clients of it, created as SGLang creates them (SGLang's from ``MOONCAKE_*`` through
 `EmbeddingStoreFactory`), each with one registered pool holding source and destination pages
 of ``count`` embeddings of 1024 x 3584 bf16 (7 MiB each, default 64) laid out in SGLang's
-36-token pages. Times (best of N, fresh keys for every put):
+36-token pages. Times (best of N, the two sides taking turns in every repetition, fresh
+keys for every put):
 
 - ``batch_is_exist`` of 64 hashes that exist;
 - paged put of ``count`` embeddings (``batch_put_from_multi_buffers``);
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -60,15 +61,6 @@ def segment_holder(master_address: str, size: str) -> Iterator[None]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def best(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 class Side:
@@ -146,13 +138,18 @@ def main() -> None:
             for side in sides.values():
                 side.put_fresh()  # warm-up: connections, registrations, first allocations
                 side.check()
-            results: dict[str, dict[str, float]] = {name: {} for name in sides}
-            for name, side in sides.items():
-                results[name]["put"] = best(side.put_fresh, 2)
-            for name, side in sides.items():
-                side.check()
-                results[name]["get"] = best(side.get, 3)
-                results[name]["exist"] = best(side.exist, 20)
+            # the sides take turns within each repetition, so both see the same machine noise
+            results: dict[str, dict[str, list[float]]] = {name: {} for name in sides}
+            for op, repeats in (("put", 3), ("get", 5), ("exist", 20)):
+                for _ in range(repeats):
+                    for name, side in sides.items():
+                        fn = {"put": side.put_fresh, "get": side.get, "exist": side.exist}[op]
+                        start = time.perf_counter()
+                        fn()
+                        results[name].setdefault(op, []).append(time.perf_counter() - start)
+                if op == "put":
+                    for side in sides.values():
+                        side.check()
             nbytes = count * TOKENS * DIM * 2
             print(f"{count} embeddings of {TOKENS} x {DIM} bf16 ({nbytes / MiB:.0f} MiB), pages of {PAGE_TOKENS} tokens")
             print(f"{'operation (ms; ratio mmkey/sglang)':44} {'sglang':>9} {'mmkey':>9} {'ratio':>7}")
@@ -161,10 +158,10 @@ def main() -> None:
                 ("put", f"paged put, {count} x 7 MiB"),
                 ("get", f"paged get, {count} x 7 MiB (mmkey verified)"),
             ):
-                s, m = results["sglang"][op], results["mmkey"][op]
+                s, m = min(results["sglang"][op]), min(results["mmkey"][op])
                 print(f"{label:44} {s * 1e3:9.2f} {m * 1e3:9.2f} {m / s:6.2f}x")
             for op in ("put", "get"):
-                s, m = results["sglang"][op], results["mmkey"][op]
+                s, m = min(results["sglang"][op]), min(results["mmkey"][op])
                 print(f"{op} MiB/s{'':37} {nbytes / MiB / s:9.0f} {nbytes / MiB / m:9.0f}")
             print(f"mmkey stats: {mmkey_store.stats()}")
         finally:

@@ -10,6 +10,7 @@ its digests; wider text is an opaque identifier under `HashScheme.ID`. Any other
 
 from __future__ import annotations
 
+import functools
 import re
 
 from mmkey.digest import HashScheme, MMHash, Modality
@@ -51,7 +52,12 @@ def sglang_digest(text: str) -> tuple[HashScheme, MMHash]:
     return HashScheme.ID, identifier_digest(text)
 
 
+@functools.lru_cache(maxsize=8192)
 def sglang_key(namespace: str, modality: Modality, text: str) -> EmbeddingKey:
-    """The `EmbeddingKey` of SGLang hash text under `namespace` and `modality`."""
+    """The `EmbeddingKey` of SGLang hash text under `namespace` and `modality`.
+
+    Remembers the last 8192 keys (keys are immutable): SGLang asks whether a hash exists,
+    then fetches or stores it, so each key is built once.
+    """
     scheme, digest = sglang_digest(text)
     return EmbeddingKey(namespace, modality, scheme, digest)
