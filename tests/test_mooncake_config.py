@@ -111,3 +111,16 @@ def test_bad_values_are_clear_errors(fields: dict[str, object], error: type, mat
     args: dict[str, object] = {"master_server_address": "127.0.0.1:50051", **fields}
     with pytest.raises(error, match=match):
         MooncakeConfig(**args)  # type: ignore[arg-type]
+
+
+def test_tenant_id_is_mooncakes_field_and_variable(tmp_path: Path) -> None:
+    address = {"MOONCAKE_MASTER": "127.0.0.1:50051"}
+    assert MooncakeConfig.from_env(address).tenant_id == "default"  # Mooncake's default
+    assert MooncakeConfig.from_env({**address, "MOONCAKE_TENANT_ID": "beta"}).tenant_id == "beta"
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "127.0.0.1:50051", "tenant_id": "gamma"}))
+    assert MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(path)}).tenant_id == "gamma"
+    with pytest.raises(ValueError, match="tenant_id"):
+        MooncakeConfig(master_server_address="127.0.0.1:50051", tenant_id="")
+    with pytest.raises(TypeError, match="tenant_id"):
+        MooncakeConfig(master_server_address="127.0.0.1:50051", tenant_id=7)  # type: ignore[arg-type]

@@ -111,6 +111,11 @@ class MooncakeConfig:
     """Mooncake's transfer buffer for this client; `MooncakeCache` also sizes its registered
     staging buffer from it (at most 256 MiB). Not a limit on entry size: larger entries
     are written and read through a buffer of their own."""
+    tenant_id: str = attrs.field(default="default", validator=[_text, attrs.validators.min_len(1)])
+    """Mooncake's tenant (``MOONCAKE_TENANT_ID``). Not an isolation boundary: with
+    mooncake-transfer-engine 0.3.13.post1, a client of one tenant reads, overwrites and
+    removes the keys of another (measured against a real master). Separate tenants by
+    namespace, and entries from writers without the fleet secret by `EntryKeyring`."""
     deadline: float = attrs.field(default=0.5, validator=_seconds)
     setup_deadline: float = attrs.field(default=5.0, validator=_seconds)
     retry_after: float = attrs.field(default=1.0, validator=_seconds)
@@ -120,7 +125,8 @@ class MooncakeConfig:
         """Read Mooncake's own variables: ``MOONCAKE_CONFIG_PATH`` (a JSON file with these
         field names) or ``MOONCAKE_MASTER`` plus ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
         ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``,
-        ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_LOCAL_HOSTNAME``. Keyword overrides win."""
+        ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_TENANT_ID``.
+        Keyword overrides win."""
         env = os.environ if environ is None else environ
         fields: dict[str, Any] = {}
         path = env.get("MOONCAKE_CONFIG_PATH")
@@ -161,6 +167,7 @@ _ENV_FIELDS = {
     "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
     "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
     "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
+    "MOONCAKE_TENANT_ID": "tenant_id",
 }
 _FILE_FIELDS = frozenset(_ENV_FIELDS.values())
 """A config file holds the same fields as the environment variables, by Mooncake's names."""
