@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import pytest
+import torch
 
+from mmkey import (
+    EmbeddingKey,
+    EntryKeyring,
+    HashScheme,
+    MemoryCache,
+    Modality,
+    MooncakeCache,
+    MooncakeConfig,
+    TieredCache,
+    mm_hash,
+)
+from mmkey.cache.auth import ENV_SECRET
+from mmkey.cache.codec import encode_entry, entry_size
 from mmkey.testing.mooncake_master import MasterProcess
 
 if TYPE_CHECKING:
@@ -16,6 +32,8 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.mooncake
 
 MiB = 1 << 20
+RUN = uuid.uuid4().hex[:12]
+"""Keys of this run differ from those of any other run on a shared master."""
 
 
 @pytest.fixture
@@ -54,3 +72,168 @@ def test_tenants_do_not_isolate_keys(
     assert alpha.get(key) == b"B" * 1000
     assert beta.remove(key, True) == 0
     assert alpha.is_exist(key) == 0
+
+
+# -- MooncakeCache with a fleet secret --------------------------------------------------------
+
+SECRET = b"fleet secret of the mooncake tests, 32+ bytes"
+RING = EntryKeyring.from_secrets(SECRET)
+
+
+def key(i: int) -> EmbeddingKey:
+    return EmbeddingKey(f"auth-{RUN}", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i))
+
+
+def config(master: MasterProcess, **overrides: Any) -> MooncakeConfig:
+    fields: dict[str, Any] = {
+        "master_server_address": master.address,
+        "global_segment_size": 64 * MiB,
+        "local_buffer_size": 16 * MiB,
+        "deadline": 5.0,  # generous: only a hang may fail these tests
+        "setup_deadline": 10.0,
+    }
+    fields.update(overrides)
+    return MooncakeConfig(**fields)
+
+
+@pytest.fixture
+def raw_store(mooncake_master_session: MasterProcess) -> Iterator[MooncakeDistributedStore]:
+    """A raw binding client: a writer that knows the key format but not the secret."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    try:
+        rc = store.setup(
+            "127.0.0.1", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", mooncake_master_session.address
+        )
+        assert rc == 0
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def signed(mooncake_master_session: MasterProcess) -> Iterator[MooncakeCache]:
+    with MooncakeCache(config(mooncake_master_session), keyring=RING) as cache:
+        yield cache
+
+
+def forge(store: MooncakeDistributedStore, k: EmbeddingKey, tensor: torch.Tensor) -> None:
+    """Store a well-formed, checksummed entry under a valid key, without the secret."""
+    assert store.upsert(k.to_key(), encode_entry(k.to_key(), tensor)) == 0
+
+
+def test_an_authenticated_reader_never_serves_entries_written_without_the_secret(
+    mooncake_master_session: MasterProcess,
+    signed: MooncakeCache,
+    raw_store: MooncakeDistributedStore,
+) -> None:
+    genuine, evil = torch.randn(16, 64), torch.full((16, 64), 666.0)
+    assert signed.insert_batch([key(1), key(2)], [genuine, genuine]) == [True, True]
+    forge(raw_store, key(2), evil)  # replaces a genuine entry
+    forge(raw_store, key(3), evil)  # a new key
+    with MooncakeCache(config(mooncake_master_session, global_segment_size=0), keyring=None) as plain:
+        assert plain.insert_batch([key(4)], [evil]) == [True]  # mmkey without the secret
+        got = plain.get_embeddings([key(1)])[0]  # a reader without it serves signed entries
+        assert got is not None and torch.equal(got, genuine)
+    other = EntryKeyring.from_secrets(b"some other fleet's secret, 32 bytes+")
+    with MooncakeCache(config(mooncake_master_session, global_segment_size=0), keyring=other) as them:
+        assert them.insert_batch([key(5)], [evil]) == [True]  # a wrong secret
+    moved = raw_store.get(key(1).to_key())
+    assert raw_store.upsert(key(6).to_key(), moved) == 0  # a genuine entry under another key
+    found = signed.get_embeddings([key(i) for i in range(1, 7)])
+    assert found[0] is not None and torch.equal(found[0], genuine)
+    assert found[1:] == [None] * 5
+    stats = signed.stats()
+    assert (stats.hits, stats.misses, stats.forged, stats.corrupt) == (1, 5, 4, 1)
+
+
+def test_rotation_and_the_migration_window_through_the_store(
+    mooncake_master_session: MasterProcess, raw_store: MooncakeDistributedStore
+) -> None:
+    old, new = b"the secret before the rotation, 32+ b", b"the secret after the rotation, 32+ by"
+    t_old, t_new, t_plain = torch.randn(8), torch.randn(8), torch.randn(8)
+    cfg = config(mooncake_master_session)
+    with MooncakeCache(cfg, keyring=EntryKeyring.from_secrets(old)) as before:
+        assert before.insert_batch([key(10)], [t_old]) == [True]
+        forge(raw_store, key(12), t_plain)
+        rotated = EntryKeyring.from_secrets(new, old, accept_unauthenticated=True)
+        with MooncakeCache(attrs.evolve(cfg, global_segment_size=0), keyring=rotated) as during:
+            assert during.insert_batch([key(11)], [t_new]) == [True]
+            got = during.get_embeddings([key(10), key(11), key(12)])
+            wanted = (t_old, t_new, t_plain)
+            assert all(t is not None and torch.equal(t, w) for t, w in zip(got, wanted))
+            assert before.get_embeddings([key(11)]) == [None]  # not yet given the new secret
+            assert before.stats().forged == 1
+
+
+def test_a_forged_far_entry_never_reaches_or_displaces_the_near_tier(
+    signed: MooncakeCache, raw_store: MooncakeDistributedStore
+) -> None:
+    genuine, far_only, evil = torch.randn(16, 64), torch.randn(16, 64), torch.full((16, 64), 666.0)
+    entry_bytes = entry_size(key(20).to_key(), genuine, keyring=RING)
+    near = MemoryCache(entry_bytes + entry_bytes // 2, keyring=RING)  # room for one entry only
+    tiered = TieredCache(near, signed)
+    try:
+        assert tiered.insert_batch([key(20)], [genuine]) == [True]
+        assert signed.insert_batch([key(21)], [far_only]) == [True]
+        forge(raw_store, key(20), evil)  # under the key the near tier holds
+        forge(raw_store, key(21), evil)  # under a key only the far tier holds
+        held = dict(near._entries)
+        got = tiered.get_embeddings([key(20), key(21)])
+        assert got[0] is not None and torch.equal(got[0], genuine)
+        assert got[1] is None
+        assert tiered.prefetch([key(21)]) == 0
+        assert near._entries == held  # nothing promoted, evicted or replaced
+        assert near.stats().evictions == 0
+        assert near.stats().forged == 0
+        assert tiered.stats().forged == signed.stats().forged == 2  # the read and the prefetch
+    finally:
+        near.close()
+
+
+def test_mooncake_cache_keeps_the_secret_out_of_sight(
+    mooncake_master_session: MasterProcess, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    text = "mooncake test secret, never to be shown"
+    monkeypatch.setenv(ENV_SECRET, text)
+    ring = EntryKeyring.from_secrets(text)
+    t = torch.randn(4)
+    with MooncakeCache(config(mooncake_master_session)) as cache:
+        assert cache.keyring == ring  # read from the environment when built
+        assert cache.insert_batch([key(30)], [t]) == [True]
+        got = cache.get_embeddings([key(30), key(31)])
+        assert got[0] is not None and torch.equal(got[0], t) and got[1] is None
+        shown = "\n".join(
+            [repr(cache), repr(cache.stats()), repr(cache.config)]
+            + [record.getMessage() for record in caplog.records]
+        )
+    assert text not in shown and text.encode().hex() not in shown
+    assert ring.current.key_id.hex() in shown  # the control: the id is what shows
+
+
+def test_tenants_do_not_isolate_keys_through_mooncake_cache(
+    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tenant_id`` reaches Mooncake's setup, and another tenant still reads the entry."""
+    import mooncake.store
+
+    tenants: list[str] = []
+
+    class Recording(mooncake.store.MooncakeDistributedStore):
+        def setup(self, *args: Any, **kwargs: Any) -> int:
+            tenants.append(kwargs.get("tenant_id", "<not passed>"))
+            return int(super().setup(*args, **kwargs))
+
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", Recording)
+    t = torch.randn(32)
+    cfg = config(mooncake_master_session)
+    with MooncakeCache(attrs.evolve(cfg, tenant_id="alpha"), keyring=RING) as alpha:
+        assert alpha.insert_batch([key(40)], [t]) == [True]
+        beta_cfg = attrs.evolve(cfg, tenant_id="beta", global_segment_size=0)
+        with MooncakeCache(beta_cfg, keyring=RING) as beta:
+            got = beta.get_embeddings([key(40)])[0]
+            assert got is not None and torch.equal(got, t)
+    assert tenants == ["alpha", "beta"]

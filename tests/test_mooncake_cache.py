@@ -333,9 +333,9 @@ def test_reconnecting_waits_at_most_the_call_deadline_not_the_setup_deadline(
     real = c._transport.store_class
 
     class SlowSetup(real):  # type: ignore[valid-type, misc]
-        def setup(self, *args: object) -> int:
+        def setup(self, *args: object, **kwargs: object) -> int:
             time.sleep(2.5)
-            return int(super().setup(*args))
+            return int(super().setup(*args, **kwargs))
 
     c._transport.store_class = SlowSetup
     try:

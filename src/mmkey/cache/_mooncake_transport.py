@@ -188,7 +188,7 @@ class StoreTransport:
         if left <= 0 or not self.master_answers(min(left, _PING_S)):
             return False
         store = self.store_class()
-        if store.setup(*self._config.setup_args()) != 0:
+        if store.setup(*self._config.setup_args(), tenant_id=self._config.tenant_id) != 0:
             store.close()  # measured safe and quick on a store whose setup failed
             return False
         self._store = store

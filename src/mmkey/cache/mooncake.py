@@ -25,10 +25,11 @@ from mmkey._tensors import host_ready
 from mmkey.cache._guard import insert_args, key_texts
 from mmkey.cache._mooncake_staging import aligned
 from mmkey.cache._mooncake_transport import StoreTransport
+from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.cache.codec import decode_entry, encode_entry_into, entry_size
 from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
-from mmkey.errors import CorruptEntry, StoreClosed, StoreError
+from mmkey.errors import CorruptEntry, ForgedEntry, StoreClosed, StoreError
 from mmkey.keys import CacheKey
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class _Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.hits = self.misses = self.inserts = self.corrupt = self.errors = 0
+        self.hits = self.misses = self.inserts = self.corrupt = self.errors = self.forged = 0
 
     def add(self, **deltas: int) -> None:
         with self._lock:
@@ -86,6 +87,7 @@ class _Counters:
                 misses=self.misses,
                 inserts=self.inserts,
                 corrupt=self.corrupt,
+                forged=self.forged,
                 errors=self.errors,
             )
 
@@ -108,7 +110,9 @@ class MooncakeCache:
     so that one holder's death loses nothing.
     """
 
-    def __init__(self, config: MooncakeConfig) -> None:
+    def __init__(
+        self, config: MooncakeConfig, *, keyring: EntryKeyring | FromEnv | None = FROM_ENV
+    ) -> None:
         value: object = config
         if not isinstance(value, MooncakeConfig):
             raise TypeError(
@@ -120,6 +124,7 @@ class MooncakeCache:
         except ImportError as exc:
             raise StoreError(f"the Mooncake binding cannot be imported ({exc}); {_INSTALL_HINT}") from None
         self._config = config
+        self._keyring = keyring_for_cache(keyring, "MooncakeCache")
         self._counts = _Counters()
         self._closed = False
         self._transport = StoreTransport(config, MooncakeDistributedStore, self._counts.error)
@@ -130,6 +135,11 @@ class MooncakeCache:
     def config(self) -> MooncakeConfig:
         """The configuration this cache was made with."""
         return self._config
+
+    @property
+    def keyring(self) -> EntryKeyring | None:
+        """The secrets entries are signed and verified with; None when they are not."""
+        return self._keyring
 
     def is_connected(self) -> bool:
         """Whether the store is set up and the last call to it succeeded."""
@@ -189,7 +199,7 @@ class MooncakeCache:
         return sum(self.batch_is_exist(keys))
 
     def stats(self) -> CacheStats:
-        """Hits, misses, inserts, corrupt entries and store errors since creation."""
+        """Hits, misses, inserts, corrupt and forged entries and store errors since creation."""
         self._check_open()
         return self._counts.snapshot()
 
@@ -224,7 +234,8 @@ class MooncakeCache:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("connected" if self.is_connected() else "degraded")
-        return f"MooncakeCache({self._config.master_server_address!r}, {state})"
+        auth = "" if self._keyring is None else f", key_id={self._keyring.current.key_id.hex()}"
+        return f"MooncakeCache({self._config.master_server_address!r}, {state}{auth})"
 
     # -- reads and writes: transfers on the worker, through the staging buffer -------------
 
@@ -331,7 +342,9 @@ class MooncakeCache:
         self, found: dict[str, torch.Tensor], text: str, raw: memoryview, *, copy: bool = True
     ) -> None:
         try:
-            found[text] = decode_entry(text, raw, copy=copy)
+            found[text] = decode_entry(text, raw, copy=copy, keyring=self._keyring)
+        except ForgedEntry:
+            self._counts.add(forged=1)
         except CorruptEntry:
             self._counts.add(corrupt=1)
 
@@ -339,7 +352,8 @@ class MooncakeCache:
         self, texts: list[str], tensors: list[torch.Tensor], give_up: float
     ) -> dict[str, bool]:
         """Upsert entries through the staging buffer on the worker, within one deadline."""
-        sizes = [entry_size(text, t) for text, t in zip(texts, tensors)]
+        keyring = self._keyring
+        sizes = [entry_size(text, t, keyring=keyring) for text, t in zip(texts, tensors)]
         ready = host_ready(tensors)  # CUDA tensors: an event on the caller's current stream
         # The worker reads the caller's tensors only while holding `reading`, and never
         # after the caller stopped waiting (`released`): a caller that timed out may reuse
@@ -351,7 +365,7 @@ class MooncakeCache:
             with reading:
                 if released.is_set():
                     raise StoreError("insert_batch stopped waiting; its tensors are not read")
-                encode_entry_into(target, text, tensor)
+                encode_entry_into(target, text, tensor, keyring=keyring)
 
         def write(store: MooncakeDistributedStore) -> dict[str, bool]:
             ready.wait()  # the caller's kernels writing the tensors have finished
