@@ -1,0 +1,33 @@
+"""Entry authentication: a keyring is the only thing a cache or the codec takes as one."""
+
+from __future__ import annotations
+
+import torch
+from typing_extensions import assert_type
+
+from mmkey import EntryKeyring, EntrySecret, MemoryCache, MooncakeCache, MooncakeConfig
+from mmkey.cache.auth import FROM_ENV
+from mmkey.cache.codec import decode_entry, encode_entry, entry_size
+
+
+def keyrings_are_accepted(config: MooncakeConfig, t: torch.Tensor) -> None:
+    ring = EntryKeyring.from_secrets(b"x" * 32, "a previous secret as text, 32 bytes")
+    MemoryCache(1 << 20, keyring=ring)
+    MemoryCache(1 << 20, keyring=None)
+    MemoryCache(1 << 20, keyring=FROM_ENV)
+    MooncakeCache(config, keyring=ring)
+    data = encode_entry("k", t, keyring=ring)
+    assert_type(decode_entry("k", data, keyring=ring), torch.Tensor)
+    assert_type(entry_size("k", t, keyring=ring), int)
+    assert_type(EntryKeyring.from_env(), EntryKeyring | None)
+    assert_type(ring.current, EntrySecret)
+    assert_type(ring.current.key_id, bytes)
+    assert_type(ring.secret_for(ring.current.key_id), EntrySecret | None)
+
+
+def a_secret_is_not_a_keyring(t: torch.Tensor, secret: EntrySecret) -> None:
+    MemoryCache(1 << 20, keyring=b"x" * 32)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    MemoryCache(1 << 20, keyring=secret)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    encode_entry("k", t, keyring="a secret")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    MemoryCache(1 << 20, EntryKeyring.from_secrets(b"x" * 32))  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
+    EntryKeyring.from_secrets(12345)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
