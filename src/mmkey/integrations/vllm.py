@@ -483,10 +483,13 @@ class MMKeyECConnector(ECConnectorBase):
         meta = connector_output.ec_connector_worker_meta
         if not isinstance(meta, MMKeyECWorkerMetadata) or not meta.failed:
             return
-        until = time.monotonic() + _UNAVAILABLE_FOR_S
+        now = time.monotonic()
         for identifier in meta.failed:
-            self._unavailable[identifier] = until
+            self._unavailable[identifier] = now + _UNAVAILABLE_FOR_S
             self._failed_requests |= self._loading_requests.pop(identifier, set())
+        if len(self._unavailable) > _MAX_TRACKED:  # forget the expired ones, then the oldest
+            live = {i: t for i, t in self._unavailable.items() if t > now}
+            self._unavailable = dict(list(live.items())[-_MAX_TRACKED:])
 
     def take_unavailable_requests(self) -> set[str]:
         """Requests whose planned load failed on a worker; vLLM fails them (retryable)."""
