@@ -115,7 +115,7 @@ def main() -> None:
             deadline=10.0,
         )
         cache = MooncakeCache(config, keyring=None)
-        signed = MooncakeCache(config, keyring=EntryKeyring.from_secrets(b"bench secret, 32 bytes or more"))
+        signed = MooncakeCache(config, keyring=EntryKeyring.from_secrets(b"benchmark secret, 32 bytes or more"))
         try:
             print(f"{'operation (ms; ratio adapter/raw)':46} {'raw':>9} {'mmkey':>9} {'ratio':>8}")
             digests = [mm_hash(i * 0x9E3779B97F4A7C15 % 2**128) for i in range(1000)]
