@@ -352,3 +352,49 @@ def test_controller_io_thread_is_never_stalled_by_a_hung_master(
             assert not controller.has_local_embedding("1")
         finally:
             mooncake_master.resume()
+
+
+# -- the rest of the surface --------------------------------------------------------------------
+
+
+def test_single_buffer_calls_and_explicit_pool_modality(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
+    writer, reader = make_store(), make_store()
+    video = torch.zeros(256, 64, dtype=DTYPE)
+    writer.register_pool(video, Modality.VIDEO)
+    video[:30] = embedding(30, 64, 4)
+    size = 30 * 64 * video.element_size()
+    assert writer.batch_put(["31"], [video.data_ptr()], [size]) == [True]
+    assert reader.batch_is_exist(["31"]) == [False]  # the reader's default pools are image and audio
+    dst = torch.zeros(256, 64, dtype=DTYPE)
+    reader.register_pool(dst, Modality.VIDEO)
+    assert reader.batch_is_exist(["31"]) == [True]
+    assert reader.batch_get(["31"], [dst.data_ptr() + 64 * 64 * 2], [size]) == [True]
+    assert torch.equal(dst[64:94], video[:30])
+    assert writer.key_for("31", Modality.VIDEO).to_key().endswith("@video@sglang@000000000000001f")
+
+
+def test_problems_are_logged_at_a_limited_rate(
+    make_store: Callable[..., MMKeyEmbeddingStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    store = make_store()
+    with caplog.at_level(logging.ERROR, logger="mmkey.integrations.sglang"):
+        for _ in range(50):
+            assert store.batch_is_exist(["x"]) == [False]
+    lines = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) == 1
+    assert store.stats().skipped == 50
+
+
+def test_no_master_at_start_is_a_degraded_store_not_a_hang(
+    make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master: MasterProcess
+) -> None:
+    mooncake_master.kill()
+    start = time.monotonic()
+    store = make_store(master=mooncake_master)
+    assert time.monotonic() - start < 5.0 + BOUND  # setup_deadline plus noise, never ~90 s
+    pool, ptrs, sizes = pages(store, 4)
+    for call in every_call(store, ptrs, sizes):
+        result, took = timed(call)
+        assert not any(result) and took < BOUND
+    mooncake_master.restart()
+    assert wait_until(lambda: store.batch_put_from_multi_buffers(["9"], ptrs, sizes) == [True], 15)
