@@ -398,3 +398,22 @@ def test_no_master_at_start_is_a_degraded_store_not_a_hang(
         assert not any(result) and took < BOUND
     mooncake_master.restart()
     assert wait_until(lambda: store.batch_put_from_multi_buffers(["9"], ptrs, sizes) == [True], 15)
+
+
+def test_fleet_secret_from_the_environment_signs_and_checks_entries(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MMKEY_ENTRY_KEY", "a fleet secret of at least thirty-two bytes")
+    writer, reader = make_store(), make_store()
+    monkeypatch.setenv("MMKEY_ENTRY_KEY", "another fleet's secret, also 32 bytes or more")
+    stranger = make_store()
+    src, ptrs, sizes = pages(writer, 12)
+    src[:12] = embedding(12, 64, 5)
+    assert writer.batch_put_from_multi_buffers(["41"], ptrs, sizes) == [True]
+    dst, ptrs, sizes = pages(reader, 12)
+    assert reader.batch_get_into_multi_buffers(["41"], ptrs, sizes) == [True]
+    assert torch.equal(dst[:12], src[:12])
+    theirs, ptrs, sizes = pages(stranger, 12)
+    assert stranger.batch_get_into_multi_buffers(["41"], ptrs, sizes) == [False]
+    assert stranger.stats().forged == 1
+    assert not theirs.any()
