@@ -28,6 +28,31 @@ class ReplicateConfig:
     prefer_alloc_in_same_node: bool
     def __init__(self) -> None: ...
 
+class Descriptor:
+    """Where one replica's bytes sit: the holder's transfer endpoint and its buffer."""
+
+    @property
+    def transport_endpoint(self) -> str:
+        """``"host:port"`` of the holder's transfer engine (not its `get_hostname`)."""
+
+    @property
+    def buffer_address(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+
+class MemoryDescriptor:
+    """A replica held in a holder's memory segment."""
+
+    @property
+    def buffer_descriptor(self) -> Descriptor: ...
+
+class ReplicaDescriptor:
+    """One replica of a stored value, as the master lists it (reads use the first listed)."""
+
+    def is_memory_replica(self) -> bool: ...
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        """Raises for a replica that is not in memory (check `is_memory_replica` first)."""
+
 class MooncakeDistributedStore:
     """Client of a Mooncake master; every call returns a status code or data, never raises."""
 
@@ -84,6 +109,12 @@ class MooncakeDistributedStore:
 
     def remove_all(self, force: bool = False) -> int:
         """Number of objects removed, or a negative error code."""
+    # -- replicas --------------------------------------------------------------------
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """The replicas the master lists for `key` (``[]`` if absent)."""
+
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """The replicas of each key; keys the master does not hold are left out."""
     # -- batches ---------------------------------------------------------------------
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         """One 1 / 0 / negative code per key."""

@@ -1,26 +1,36 @@
-"""The transport under `MooncakeCache`: the store's set-up and close, the worker, deadlines, breaker.
+"""The transport under `MooncakeCache`: set-up and close, lanes, deadlines, breaker, quarantine.
 
 Every binding call runs on a worker thread (a lane) and the caller waits at most until its
-call's give-up time. Mooncake's ``setup()`` and ``close()`` hold the GIL, so while they run
-every thread of the process stops; neither is called unless the master has just answered
-a request on its RPC port (`master_answers`), on the worker, right before the call. A store
-that cannot be closed that way (the master does not answer, or the worker is still stuck in
-a call when `close` gives up) is abandoned: never closed, never freed, its segment and
-threads left to the process's exit, so that no thread ever freezes behind it.
+call's give-up time. Metadata calls (``batch_is_exist``, replica lookups, set-up) run on
+their own lane; transfers run on a small pool of lanes, each with its own registered staging
+buffer, so a transfer stuck on a hung holder never holds up a lookup or a transfer from
+another holder. The binding serves overlapping calls from several threads (measured; the
+fleet tests run them). The breaker is about the master: it opens when a metadata call fails
+or times out. A transfer that fails or times out quarantines the holder it went to instead.
+
+Mooncake's ``setup()`` and ``close()`` hold the GIL, so while they run every thread of the
+process stops; neither is called unless the master has just answered a request on its RPC
+port (`master_answers`), right before the call. A store that cannot be closed that way (the
+master does not answer, or a lane is still stuck in a call when `close` gives up) is
+abandoned: never closed, never freed, left to the process's exit, so that no thread ever
+freezes behind it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+import attrs
 
 from mmkey._net import parse_host_port
 from mmkey.cache._master_ping import master_answers
 from mmkey.cache._mooncake_staging import Staging
+from mmkey.cache._quarantine import Quarantine
 from mmkey.cache._runner import Breaker, CallTimeout, DeadlineRunner
 from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.errors import StoreClosed, StoreError
@@ -28,16 +38,20 @@ from mmkey.errors import StoreClosed, StoreError
 if TYPE_CHECKING:
     from mooncake.store import MooncakeDistributedStore
 
-__all__ = ["StoreTransport"]
+__all__ = ["Lane", "Pending", "StoreTransport", "TransferFailed"]
 
 T = TypeVar("T")
 
 MAX_STAGING = 256 << 20
 """Largest registered staging buffer; larger entries get a buffer of their own."""
+TRANSFER_LANES = 3
+"""Transfer lanes: enough to read from two holders at once while one lane is stuck."""
 _PING_S = 1.0
 """The longest a liveness probe waits for the master (less when the call's time is short)."""
-_CLOSE_S = 30.0
-"""How long `close` waits for the binding's close once it began (it takes 1-2 s)."""
+
+
+class TransferFailed(StoreError):
+    """A transfer reached the master but not the holder (Mooncake's TRANSFER_FAIL codes)."""
 
 
 def _abandon(*objects: object) -> None:
@@ -50,12 +64,29 @@ def _abandon(*objects: object) -> None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
-class StoreTransport:
-    """One Mooncake store reached through a worker lane, within deadlines, behind a breaker.
+@attrs.define(eq=False)
+class Lane:
+    """A transfer lane: one worker thread and the staging buffer only it fills."""
 
-    `call` runs a function of the store on the worker and returns its result, or ``None``
-    (after reporting the failure through `on_error`) when the store is unreachable, the
-    breaker is open, the worker is stuck, the call's time ran out, or the cache closed.
+    runner: DeadlineRunner
+    staging: Staging
+
+
+@attrs.frozen
+class Pending(Generic[T]):
+    """A transfer submitted to a lane; wait for it with `StoreTransport.finish`."""
+
+    lane: Lane
+    future: Future[T]
+
+
+class StoreTransport:
+    """One Mooncake store reached through lanes, within deadlines, behind a breaker.
+
+    `meta` runs a metadata function of the store and returns its result, or ``None`` (after
+    reporting the failure through `on_error`) when the master is unreachable, the breaker is
+    open, the lane is stuck, the call's time ran out, or the cache closed. `submit` and
+    `finish` do the same for transfers on the pool of transfer lanes.
     """
 
     def __init__(
@@ -63,25 +94,35 @@ class StoreTransport:
         config: MooncakeConfig,
         store_class: type[MooncakeDistributedStore],
         on_error: Callable[[], None],
+        on_skip: Callable[[], None],
     ) -> None:
         self._config = config
         self.store_class = store_class
         self._on_error = on_error
+        self._on_skip = on_skip
         self._host, self._port = parse_host_port(config.master_server_address)
-        self._lane = DeadlineRunner("mmkey-mooncake")
-        self._breaker = Breaker(config.retry_after)
-        self.staging = Staging(min(config.local_buffer_size, MAX_STAGING))
-        self._store: MooncakeDistributedStore | None = None  # set and cleared on the lane only
+        self._meta = DeadlineRunner("mmkey-mooncake-meta")
+        staging_bytes = min(config.local_buffer_size, MAX_STAGING)
+        self.lanes = tuple(
+            Lane(DeadlineRunner(f"mmkey-mooncake-transfer-{i}"), Staging(staging_bytes))
+            for i in range(TRANSFER_LANES)
+        )
+        self._prober = DeadlineRunner("mmkey-mooncake-probe")
+        self.breaker = Breaker(config.retry_after)
+        self.quarantine = Quarantine(config.retry_after)
+        self._store: MooncakeDistributedStore | None = None  # set on the metadata lane only
         self._closed = False
         self._suspect = False  # a call failed: the master must answer before the next one
         self._lock = threading.Lock()
-        self._closing = "pending"
-        """How `close` ends, decided once under the lock: "close" (the binding's close runs,
-        and `close` waits for it) or "abandon" (the caller stopped waiting first)."""
 
     def is_connected(self) -> bool:
-        """Whether the store is set up and the last call to it succeeded."""
-        return self._store is not None and not self._breaker.is_open()
+        """Whether the store is set up and the last call to the master succeeded."""
+        return self._store is not None and not self.breaker.is_open()
+
+    def busy_lanes(self) -> int:
+        """Lanes running a call past the deadline (stuck in the binding)."""
+        runners = [self._meta, *(lane.runner for lane in self.lanes)]
+        return sum(runner.is_stuck(self._config.deadline) for runner in runners)
 
     def master_answers(self, timeout: float) -> bool:
         """Whether the master replies to a request on its RPC port within `timeout` s."""
@@ -90,10 +131,10 @@ class StoreTransport:
     def connect(self, give_up: float) -> bool:
         """Set the store up if the master answers; False (counted) if not by `give_up`.
 
-        A set-up still running then finishes on the worker, and a later call finds it done.
+        A set-up still running then finishes on the metadata lane; a later call finds it.
         """
         try:
-            ok = self._lane.call(
+            ok = self._meta.call(
                 functools.partial(self._setup_on_lane, give_up), give_up - time.monotonic()
             )
         except (CallTimeout, StoreClosed):
@@ -102,82 +143,162 @@ class StoreTransport:
             self.fail()
         return ok
 
-    def call(
-        self,
-        fn: Callable[[MooncakeDistributedStore], T],
-        give_up: float,
-        abandoned: Callable[[T], object] | None = None,
-    ) -> T | None:
-        """`fn(store)` on the worker, waited for until `give_up` (a monotonic time).
+    def ready(self, give_up: float) -> bool:
+        """Whether a call may go to the store now (set up, breaker closed, master answering
+        if the last call failed); counts a skip or an error when not."""
+        if self._closed:
+            return False
+        if not self.breaker.allow():
+            self._on_skip()
+            return False
+        if self._store is None:
+            return self.connect(give_up)
+        if self._suspect and not self.master_answers(min(give_up - time.monotonic(), 0.2)):
+            self.fail()
+            return False
+        return True
+
+    def meta(self, fn: Callable[[MooncakeDistributedStore], T], give_up: float) -> T | None:
+        """`fn(store)` on the metadata lane, waited for until `give_up` (a monotonic time).
 
         ``None`` when it failed (counted): store errors and timeouts also open the breaker;
-        other exceptions of `fn` (an allocation failure) are only counted. `abandoned`
-        receives the result of a call whose caller stopped waiting, to release it.
+        other exceptions of `fn` are only counted.
         """
-        if self._closed:
+        if self._meta.is_stuck(self._config.deadline):
+            self._on_skip()
             return None
-        if self._lane.is_stuck(self._config.deadline) or not self._breaker.allow():
-            self._on_error()
-            return None
-        if self._store is None:
-            if not self.connect(give_up):
-                return None
-        elif self._suspect and not self.master_answers(min(give_up - time.monotonic(), 0.2)):
-            self.fail()
+        if not self.ready(give_up):
             return None
         try:
-            result = self._lane.call(
-                functools.partial(self._run_on_lane, fn), give_up - time.monotonic(), abandoned
+            result = self._meta.call(
+                functools.partial(self._run, fn), give_up - time.monotonic()
             )
         except StoreClosed:
             return None
         except StoreError:
             self.fail()
             return None
-        except Exception:  # not a store fault (e.g. MemoryError for a huge foreign value)
+        except Exception:  # not a store fault (e.g. MemoryError)
             self._on_error()
             return None
-        self._breaker.success()
-        self._suspect = False
+        self.succeeded()
         return result
 
+    def pick_lane(self, taken: set[int]) -> Lane | None:
+        """A transfer lane for one more transfer: an idle one first, else one whose call is
+        still within its deadline (queue behind it); ``None`` when every lane is stuck."""
+        free = [i for i in range(len(self.lanes)) if i not in taken]
+        for i in free:
+            if not self.lanes[i].runner.is_busy():
+                taken.add(i)
+                return self.lanes[i]
+        for i in free:
+            if not self.lanes[i].runner.is_stuck(self._config.deadline):
+                taken.add(i)
+                return self.lanes[i]
+        return None
+
+    def submit(
+        self, lane: Lane, fn: Callable[[MooncakeDistributedStore, Staging], T]
+    ) -> Pending[T]:
+        """Queue `fn(store, lane.staging)` on `lane`."""
+        return Pending(lane, lane.runner.submit(functools.partial(self._run_with, fn, lane.staging)))
+
+    def finish(
+        self,
+        pending: Pending[T],
+        give_up: float,
+        abandoned: Callable[[T], object] | None = None,
+    ) -> T | BaseException:
+        """The result of a submitted transfer, or the exception that ended it (a timeout,
+        `TransferFailed`, a closed store, or another error, counted). An abandoned call's
+        eventual result goes to `abandoned`. Master faults open the breaker here."""
+        try:
+            result = pending.lane.runner.wait_for(pending.future, give_up - time.monotonic(), abandoned)
+        except StoreClosed as exc:
+            return exc
+        except (CallTimeout, TransferFailed) as exc:
+            self._on_error()
+            self._suspect = True  # the master may be what hangs: ask it before the next call
+            return exc
+        except StoreError as exc:
+            self.fail()
+            return exc
+        except Exception as exc:  # not a store fault (e.g. MemoryError for a huge value)
+            self._on_error()
+            return exc
+        self.succeeded()  # a transfer asks the master first: it answered
+        return result
+
+    def probe(self, fn: Callable[[MooncakeDistributedStore], bool], endpoint: str) -> None:
+        """Run `fn` (does `endpoint` answer again?) on the probe lane, without waiting."""
+        future = self._prober.submit(functools.partial(self._run, fn))
+
+        def done(f: Future[bool]) -> None:
+            healthy = not f.cancelled() and f.exception() is None and f.result()
+            self.quarantine.probed(endpoint, healthy=bool(healthy))
+
+        future.add_done_callback(done)
+
+    def succeeded(self) -> None:
+        """A call to the master succeeded: close the breaker."""
+        self.breaker.success()
+        self._suspect = False
+
     def fail(self) -> None:
-        """A store call failed: open the breaker and probe the master before the next call."""
-        self._breaker.failure()
+        """A call to the master failed: open the breaker; ask the master before the next call."""
+        self.breaker.failure()
         self._suspect = True
         self._on_error()
 
     def close(self) -> None:
         """Close the store, waiting at most ``config.deadline``; callers waiting are released.
 
-        The binding's close runs only if the master answers right before it; otherwise, or
-        if the worker is still stuck in a call after the deadline, the store is abandoned.
+        The binding's close runs only when every lane has stopped and the master answers
+        right before it; otherwise the store is abandoned.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         give_up = time.monotonic() + self._config.deadline
-        done = self._lane.submit(functools.partial(self._close_on_lane, give_up))
-        self._lane.close()
-        try:
-            done.result(timeout=max(give_up - time.monotonic(), 0.0))
+        runners = [self._meta, self._prober, *(lane.runner for lane in self.lanes)]
+        for runner in runners:
+            runner.close()
+        stopped = all(runner.join(max(give_up - time.monotonic(), 0.0)) for runner in runners)
+        store, self._store = self._store, None
+        if store is None:
             return
-        except Exception:
-            with self._lock:
-                if self._closing == "pending":  # stuck: the worker abandons it when it returns
-                    self._closing = "abandon"
-        if self._closing == "close":  # the binding's close has begun: it ends with it
-            with contextlib.suppress(Exception):
-                done.result(timeout=_CLOSE_S)
+        left = give_up - time.monotonic()
+        if stopped and left > 0 and self.master_answers(min(left, _PING_S)):
+            for lane in self.lanes:
+                lane.staging.unregister(store)
+            store.close()
+        else:
+            self._on_error()
+            _abandon(store, *(lane.staging.detach() for lane in self.lanes))
 
-    # -- on the worker ----------------------------------------------------------------------
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for every lane's worker to exit (after `close`); whether all did."""
+        give_up = time.monotonic() + timeout
+        runners = [self._meta, self._prober, *(lane.runner for lane in self.lanes)]
+        return all(runner.join(max(give_up - time.monotonic(), 0.0)) for runner in runners)
 
-    def _run_on_lane(self, fn: Callable[[MooncakeDistributedStore], T]) -> T:
+    # -- on the lanes -----------------------------------------------------------------------
+
+    def _run(self, fn: Callable[[MooncakeDistributedStore], T]) -> T:
         store = self._store
         if store is None or self._closed:
             raise StoreClosed("store closed")
         return fn(store)
+
+    def _run_with(
+        self, fn: Callable[[MooncakeDistributedStore, Staging], T], staging: Staging
+    ) -> T:
+        store = self._store
+        if store is None or self._closed:
+            raise StoreClosed("store closed")
+        return fn(store, staging)
 
     def _setup_on_lane(self, give_up: float) -> bool:
         if self._closed:
@@ -193,18 +314,3 @@ class StoreTransport:
             return False
         self._store = store
         return True
-
-    def _close_on_lane(self, give_up: float) -> None:
-        store, self._store = self._store, None
-        if store is None:
-            return
-        left = give_up - time.monotonic()
-        answered = left > 0 and self.master_answers(min(left, _PING_S))
-        with self._lock:
-            if not answered or self._closing == "abandon":
-                self._closing = "abandon"
-                _abandon(store, self.staging.detach())
-                return
-            self._closing = "close"
-        self.staging.unregister(store)
-        store.close()

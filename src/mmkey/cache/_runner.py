@@ -80,7 +80,15 @@ class DeadlineRunner:
         the wait: the deadline (`CallTimeout`), `close` (`StoreClosed`) or an exception
         raised in the waiting thread (``KeyboardInterrupt``), which propagates.
         """
-        future = self.submit(fn)
+        return self.wait_for(self.submit(fn), deadline, abandoned)
+
+    def wait_for(
+        self,
+        future: Future[T],
+        deadline: float,
+        abandoned: Callable[[T], object] | None = None,
+    ) -> T:
+        """Wait at most `deadline` seconds for a `submit`-ted call, as `call` does."""
         try:
             pending: tuple[Future[object], ...] = (future, self._closing)  # type: ignore[assignment]
             wait(pending, timeout=max(deadline, 0.0), return_when=FIRST_COMPLETED)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 import warnings
@@ -23,9 +24,11 @@ from typing import TYPE_CHECKING
 
 from mmkey._tensors import host_ready
 from mmkey.cache._guard import insert_args, key_texts
-from mmkey.cache._mooncake_staging import aligned
-from mmkey.cache._mooncake_transport import StoreTransport
+from mmkey.cache._mooncake_staging import Staging, aligned
+from mmkey.cache._mooncake_transport import Lane, Pending, StoreTransport, TransferFailed
+from mmkey.cache._runner import CallTimeout
 from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
+from mmkey.cache.health import CacheHealth
 from mmkey.cache.codec import decode_entry, encode_entry_into, entry_size
 from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
@@ -34,13 +37,17 @@ from mmkey.keys import CacheKey
 
 if TYPE_CHECKING:
     import torch
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake.store import MooncakeDistributedStore, ReplicaDescriptor, ReplicateConfig
 
 __all__ = ["MooncakeCache", "MooncakeConfig"]
 
 _RPC_FAILURES = frozenset({-900, -901})
 """Codes that mean the master did not answer (RPC_FAIL, RPC_TIMEOUT)."""
 _BUFFER_TOO_SMALL = -600
+_TRANSFER_FAILURES = range(-899, -799)
+"""Codes of a transfer that reached the master but not the holder (TRANSFER_FAIL, -800...)."""
+_LOG = logging.getLogger("mmkey.cache.mooncake")
+_LOG_EVERY_S = 10.0
 _INSTALL_HINT = (
     "install the binding: pip install 'mmkey[mooncake-cpu]' on CPU machines (plus Debian's "
     "libibverbs1 libnuma1 libcurl4) or 'mmkey[mooncake]' on GPU machines"
@@ -64,12 +71,48 @@ def _out_of_time(give_up: float) -> None:
         raise TimeoutError("the call's deadline passed; the rest is not transferred")
 
 
+def _release(staging: Staging, _: object) -> None:
+    """Release the lease an abandoned transfer returned with."""
+    staging.lease.release()
+
+
+def _memory_endpoints(replicas: Sequence[ReplicaDescriptor]) -> list[str]:
+    """Transfer endpoints of the in-memory replicas, in the master's order (reads use the
+    first)."""
+    found: list[str] = []
+    for replica in replicas:
+        with contextlib.suppress(Exception):  # a replica of another kind has no memory side
+            if replica.is_memory_replica():
+                found.append(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
+    return found
+
+
+class _SkipLog:
+    """Logs calls answered without the store, at most once per `_LOG_EVERY_S` seconds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._last = 0.0
+
+    def note(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+            now = time.monotonic()
+            if now - self._last < _LOG_EVERY_S:
+                return
+            counts, self._counts, self._last = self._counts, {}, now
+        summary = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
+        _LOG.warning("Mooncake calls answered as misses without the store: %s", summary)
+
+
 class _Counters:
     """Thread-safe counters behind `stats()`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.hits = self.misses = self.inserts = self.corrupt = self.errors = self.forged = 0
+        self.hits = self.misses = self.inserts = self.corrupt = self.errors = 0
+        self.forged = self.skipped = 0
 
     def add(self, **deltas: int) -> None:
         with self._lock:
@@ -80,6 +123,10 @@ class _Counters:
         """Count one failed store call."""
         self.add(errors=1)
 
+    def skip(self) -> None:
+        """Count one call answered without the store."""
+        self.add(skipped=1)
+
     def snapshot(self) -> CacheStats:
         with self._lock:
             return CacheStats(
@@ -89,6 +136,9 @@ class _Counters:
                 corrupt=self.corrupt,
                 forged=self.forged,
                 errors=self.errors,
+                skipped=self.skipped,
+                bytes_held=None,  # the entries live in the store's holders, not here
+                entries=None,
             )
 
 
@@ -127,8 +177,11 @@ class MooncakeCache:
         self._keyring = keyring_for_cache(keyring, "MooncakeCache")
         self._counts = _Counters()
         self._closed = False
-        self._transport = StoreTransport(config, MooncakeDistributedStore, self._counts.error)
-        self._staging = self._transport.staging
+        self._skips = _SkipLog()
+        self._transport = StoreTransport(
+            config, MooncakeDistributedStore, self._counts.error, self._skipped_by_breaker
+        )
+        self._replicas: ReplicateConfig | None = None  # made on first write
         self._transport.connect(time.monotonic() + config.setup_deadline)
 
     @property
@@ -142,8 +195,16 @@ class MooncakeCache:
         return self._keyring
 
     def is_connected(self) -> bool:
-        """Whether the store is set up and the last call to it succeeded."""
+        """Whether the store is set up and the last call to the master succeeded."""
         return self._transport.is_connected()
+
+    def health(self) -> CacheHealth:
+        """The breaker, the quarantined holders and the lanes stuck past the deadline."""
+        return CacheHealth(
+            breaker_open=self._transport.breaker.is_open(),
+            quarantined=self._transport.quarantine.endpoints(),
+            busy_lanes=self._transport.busy_lanes(),
+        )
 
     # -- the EmbeddingCache protocol ------------------------------------------------------
 
@@ -152,7 +213,7 @@ class MooncakeCache:
         texts = self._texts(keys, "batch_is_exist")
         if not texts:
             return []
-        codes = self._transport.call(lambda store: store.batch_is_exist(texts), self._give_up())
+        codes = self._transport.meta(lambda store: store.batch_is_exist(texts), self._give_up())
         if codes is None:
             return [False] * len(texts)
         if not _RPC_FAILURES.isdisjoint(codes):
@@ -199,7 +260,9 @@ class MooncakeCache:
         return sum(self.batch_is_exist(keys))
 
     def stats(self) -> CacheStats:
-        """Hits, misses, inserts, corrupt and forged entries and store errors since creation."""
+        """Hits, misses, inserts, corrupt and forged entries, store errors and calls answered
+        without the store since creation. `entries` and `bytes_held` are ``None``: the entries
+        live in the store's holders, and this client cannot know how many of them are held."""
         self._check_open()
         return self._counts.snapshot()
 
@@ -242,73 +305,175 @@ class MooncakeCache:
     def _give_up(self) -> float:
         return time.monotonic() + self._config.deadline
 
+    def _skipped_by_breaker(self) -> None:
+        self._counts.skip()
+        self._skips.note("master unreachable (breaker open)")
+
     def _read(self, texts: list[str], give_up: float) -> dict[str, torch.Tensor]:
         """Verified tensors of the keys found, all within one deadline.
 
-        The worker only moves entries into the registered staging buffer; the caller's
-        thread decodes them from there (allocating where the caller's tensors live), holding
-        the staging lease so that no other transfer overwrites the buffer meanwhile.
+        The master's replica list says which holder each read goes to (Mooncake reads the
+        first listed replica): keys absent from it are misses without a transfer, keys bound
+        for a quarantined holder are misses at once, and the rest are read per holder, each
+        holder's keys on a transfer lane of their own, in parallel. A lane only moves entries
+        into its staging buffer; the caller's thread decodes them from there (allocating
+        where the caller's tensors live), holding the lane's lease meanwhile.
         """
+        placed = self._transport.meta(lambda store: store.batch_get_replica_desc(texts), give_up)
+        if placed is None:
+            return {}
+        quarantine = self._transport.quarantine
+        groups: dict[str, list[str]] = {}
+        bound_for_quarantine = 0
+        for text in texts:
+            endpoints = _memory_endpoints(placed.get(text, ()))
+            if not endpoints:
+                continue  # the master holds no copy: a miss
+            if quarantine.holds(endpoints[0]):
+                bound_for_quarantine += 1
+                continue
+            groups.setdefault(endpoints[0], []).append(text)
+        if quarantine:
+            if bound_for_quarantine:
+                self._counts.skip()
+                self._skips.note("holder quarantined")
+            self._probe_quarantined()
         found: dict[str, torch.Tensor] = {}
-        too_big: list[str] = []
-        slots, lease = self._staging.slots, self._staging.lease
-        start = 0
-        while start < len(texts):
-            chunk = texts[start : start + slots.keys_per_transfer()]
-            start += len(chunk)
-            slot = slots.slot_for(len(chunk))
-            moved = self._transport.call(
-                functools.partial(
+        too_big: dict[str, list[str]] = {}
+        while groups and time.monotonic() < give_up:
+            taken: set[int] = set()
+            batch: list[tuple[str, list[str], int, Pending[tuple[memoryview, list[int]]]]] = []
+            for endpoint, pending in list(groups.items()):
+                lane = self._transport.pick_lane(taken)
+                if lane is None:
+                    break
+                chunk = pending[: lane.staging.slots.keys_per_transfer()]
+                del pending[: len(chunk)]
+                if not pending:
+                    del groups[endpoint]
+                slot = lane.staging.slots.slot_for(len(chunk))
+                work = functools.partial(
                     self._transfer_on_worker, chunk=chunk, slot=slot, give_up=give_up
-                ),
-                give_up,
-                abandoned=lambda _: lease.release(),
-            )
-            if moved is None:
-                return found
-            staging, codes = moved
-            largest = 0
-            try:
-                for i, (text, code) in enumerate(zip(chunk, codes)):
-                    if code > 0:
-                        largest = max(largest, code)
-                        self._decode_into(found, text, staging[i * slot : i * slot + code])
-                    elif code == _BUFFER_TOO_SMALL:
-                        too_big.append(text)
-            finally:
-                lease.release()
-            slots.observe(largest)
-        if too_big:
-            large = self._transport.call(
-                functools.partial(self._read_large_on_worker, texts=too_big, give_up=give_up),
-                give_up,
-            )
-            if large is not None:
-                found.update(large[0])
-                slots.observe(large[1])
+                )
+                batch.append((endpoint, chunk, slot, self._transport.submit(lane, work)))
+            if not batch:
+                self._counts.skip()
+                self._skips.note("every transfer lane stuck")
+                break
+            for endpoint, chunk, slot, pending_transfer in batch:
+                lane = pending_transfer.lane
+                outcome = self._transport.finish(
+                    pending_transfer, give_up, abandoned=functools.partial(_release, lane.staging)
+                )
+                if isinstance(outcome, BaseException):
+                    self._holder_failed(endpoint, chunk, outcome)
+                    groups.pop(endpoint, None)
+                    continue
+                self._decode_chunk(found, lane, chunk, slot, outcome, too_big.setdefault(endpoint, []))
+        for endpoint, large in too_big.items():
+            lane = self._transport.pick_lane(set())
+            if not large or lane is None or time.monotonic() >= give_up:
+                continue
+            work_large = functools.partial(self._read_large_on_worker, texts=large, give_up=give_up)
+            got = self._transport.finish(self._transport.submit(lane, work_large), give_up)
+            if isinstance(got, BaseException):
+                self._holder_failed(endpoint, large, got)
+                continue
+            found.update(got[0])
+            lane.staging.slots.observe(got[1])
         return found
 
+    def _decode_chunk(
+        self,
+        found: dict[str, torch.Tensor],
+        lane: Lane,
+        chunk: list[str],
+        slot: int,
+        moved: tuple[memoryview, list[int]],
+        too_big: list[str],
+    ) -> None:
+        """Decode one transfer's entries from the lane's staging buffer, then release it."""
+        staging, codes = moved
+        largest = 0
+        try:
+            for i, (text, code) in enumerate(zip(chunk, codes)):
+                if code > 0:
+                    largest = max(largest, code)
+                    self._decode_into(found, text, staging[i * slot : i * slot + code])
+                elif code == _BUFFER_TOO_SMALL:
+                    too_big.append(text)
+        finally:
+            lane.staging.lease.release()
+        lane.staging.slots.observe(largest)
+
+    def _holder_failed(self, endpoint: str, keys: list[str], why: BaseException) -> None:
+        """A transfer from `endpoint` timed out or failed: quarantine the holder."""
+        if isinstance(why, (CallTimeout, TransferFailed)) and self._transport.quarantine.add(endpoint, keys):
+            _LOG.warning(
+                "Mooncake holder %s quarantined: a transfer %s; reads bound for it are misses "
+                "until it answers again or the master drops it",
+                endpoint,
+                "timed out" if isinstance(why, CallTimeout) else "failed",
+            )
+
+    def _probe_quarantined(self) -> None:
+        for endpoint, keys in self._transport.quarantine.due_probes():
+            probe = functools.partial(self._probe_on_worker, endpoint=endpoint, keys=keys)
+            self._transport.probe(probe, endpoint)
+
+    @staticmethod
+    def _probe_on_worker(store: MooncakeDistributedStore, endpoint: str, keys: list[str]) -> bool:
+        """Whether a quarantined holder may be read again: the master no longer lists it for
+        the keys it failed on, or one of them reads back from it in full."""
+        import torch
+
+        placed = store.batch_get_replica_desc(keys)
+        listed = [k for k in keys if endpoint in _memory_endpoints(placed.get(k, ()))]
+        if not listed:
+            _LOG.warning("Mooncake holder %s re-admitted: the master no longer lists it", endpoint)
+            return True
+        size = store.get_size(listed[0])
+        if size <= 0:
+            return False
+        buf = torch.empty(size, dtype=torch.uint8)
+        with _registered(store, buf) as ptr:
+            healthy = store.get_into(listed[0], ptr, size) == size
+        if healthy:
+            _LOG.warning("Mooncake holder %s re-admitted: it answers again", endpoint)
+        return healthy
+
     def _transfer_on_worker(
-        self, store: MooncakeDistributedStore, chunk: list[str], slot: int, give_up: float
+        self,
+        store: MooncakeDistributedStore,
+        lane_staging: Staging,
+        chunk: list[str],
+        slot: int,
+        give_up: float,
     ) -> tuple[memoryview, list[int]]:
         """Entries of `chunk` into staging slots of `slot` bytes; returns with the lease held."""
-        staging = self._staging.view(store)
-        if not self._staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
+        staging = lane_staging.view(store)
+        if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
             raise TimeoutError("the staging buffer stayed busy past the call's deadline")
         try:
             _out_of_time(give_up)
-            base = self._staging.ptr
+            base = lane_staging.ptr
             ptrs = [base + i * slot for i in range(len(chunk))]
             codes = store.batch_get_into(chunk, ptrs, [slot] * len(chunk))
             if not _RPC_FAILURES.isdisjoint(codes):
                 raise StoreError(f"batch_get_into: master unreachable ({codes})")
+            if any(code in _TRANSFER_FAILURES for code in codes):
+                raise TransferFailed(f"batch_get_into: transfer failed ({codes})")
         except BaseException:
-            self._staging.lease.release()
+            lane_staging.lease.release()
             raise
         return staging, codes
 
     def _read_large_on_worker(
-        self, store: MooncakeDistributedStore, texts: list[str], give_up: float
+        self,
+        store: MooncakeDistributedStore,
+        lane_staging: Staging,
+        texts: list[str],
+        give_up: float,
     ) -> tuple[dict[str, torch.Tensor], int]:
         """Entries larger than a staging slot, each read into a buffer of its exact size;
         returns them and the largest size seen. Stops at the call's deadline."""
@@ -334,6 +499,8 @@ class MooncakeCache:
                 got = store.get_into(text, ptr, size)
             if got in _RPC_FAILURES:
                 raise StoreError(f"get_into: master unreachable ({got})")
+            if got in _TRANSFER_FAILURES:
+                raise TransferFailed(f"get_into: transfer failed ({got})")
             if got == size:
                 self._decode_into(found, text, buf.numpy().data, copy=False)
         return found, largest
@@ -367,17 +534,19 @@ class MooncakeCache:
                     raise StoreError("insert_batch stopped waiting; its tensors are not read")
                 encode_entry_into(target, text, tensor, keyring=keyring)
 
-        def write(store: MooncakeDistributedStore) -> dict[str, bool]:
+        def write(store: MooncakeDistributedStore, lane_staging: Staging) -> dict[str, bool]:
             ready.wait()  # the caller's kernels writing the tensors have finished
-            staging = self._staging.view(store)
-            if not self._staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
+            staging = lane_staging.view(store)
+            if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
                 raise TimeoutError("the staging buffer stayed busy past the call's deadline")
             try:
-                return fill_and_flush(store, staging)
+                return fill_and_flush(store, staging, lane_staging.ptr)
             finally:
-                self._staging.lease.release()
+                lane_staging.lease.release()
 
-        def fill_and_flush(store: MooncakeDistributedStore, staging: memoryview) -> dict[str, bool]:
+        def fill_and_flush(
+            store: MooncakeDistributedStore, staging: memoryview, base: int
+        ) -> dict[str, bool]:
             stored: dict[str, bool] = {}
             batch: list[tuple[str, int, int]] = []  # key text, offset, size
             used = 0
@@ -388,28 +557,46 @@ class MooncakeCache:
                     continue
                 if used + size > staging.nbytes:
                     _out_of_time(give_up)
-                    stored.update(self._flush_on_worker(store, batch))
+                    stored.update(self._flush_on_worker(store, base, batch))
                     batch, used = [], 0
                 encode(staging[used : used + size], text, t)
                 batch.append((text, used, size))
                 used += aligned(size)
-            stored.update(self._flush_on_worker(store, batch))
+            stored.update(self._flush_on_worker(store, base, batch))
             return stored
 
         try:
-            return self._transport.call(write, give_up) or {}
+            if not self._transport.ready(give_up):
+                return {}
+            lane = self._transport.pick_lane(set())
+            if lane is None:
+                self._counts.skip()
+                self._skips.note("every transfer lane stuck")
+                return {}
+            outcome = self._transport.finish(self._transport.submit(lane, write), give_up)
+            return {} if isinstance(outcome, BaseException) else outcome
         finally:
             with reading:  # waits out an entry being encoded right now, if any
                 released.set()
 
+    def _replicate(self) -> ReplicateConfig:
+        """Mooncake's per-write placement settings: `config.replica_num` copies."""
+        if self._replicas is None:
+            from mooncake.store import ReplicateConfig
+
+            replicas = ReplicateConfig()
+            replicas.replica_num = self._config.replica_num
+            self._replicas = replicas
+        return self._replicas
+
     def _flush_on_worker(
-        self, store: MooncakeDistributedStore, batch: list[tuple[str, int, int]]
+        self, store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
     ) -> dict[str, bool]:
         if not batch:
             return {}
         keys = [text for text, _, _ in batch]
-        ptrs = [self._staging.ptr + offset for _, offset, _ in batch]
-        codes = store.batch_upsert_from(keys, ptrs, [size for _, _, size in batch])
+        ptrs = [base + offset for _, offset, _ in batch]
+        codes = store.batch_upsert_from(keys, ptrs, [size for _, _, size in batch], self._replicate())
         if not _RPC_FAILURES.isdisjoint(codes):
             raise StoreError(f"batch_upsert_from: master unreachable ({codes[0]})")
         return {text: code == 0 for text, code in zip(keys, codes)}
@@ -427,7 +614,7 @@ class MooncakeCache:
         buf = torch.empty(size, dtype=torch.uint8)
         encode(buf.numpy().data, text, tensor)
         with _registered(store, buf) as ptr:
-            code = store.upsert_from(text, ptr, size)
+            code = store.upsert_from(text, ptr, size, self._replicate())
         if code in _RPC_FAILURES:
             raise StoreError(f"upsert_from: master unreachable ({code})")
         return code == 0

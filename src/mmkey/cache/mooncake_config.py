@@ -73,6 +73,13 @@ def _text(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
         raise TypeError(f"MooncakeConfig.{attribute.name} must be str, got {value!r}")
 
 
+def _replicas(_: object, attribute: attrs.Attribute[int], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"MooncakeConfig.replica_num must be a count (int), got {value!r}")
+    if value < 1:
+        raise ValueError(f"MooncakeConfig.replica_num must be >= 1, got {value!r}")
+
+
 def _protocol(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"MooncakeConfig.protocol must be text such as 'tcp', got {value!r}")
@@ -119,14 +126,18 @@ class MooncakeConfig:
     deadline: float = attrs.field(default=0.5, validator=_seconds)
     setup_deadline: float = attrs.field(default=5.0, validator=_seconds)
     retry_after: float = attrs.field(default=1.0, validator=_seconds)
+    replica_num: int = attrs.field(default=1, validator=_replicas)
+    """Copies of each entry written (Mooncake's `ReplicateConfig.replica_num`), each on a
+    different holder: with 2 or more, an entry survives the death of the holder of one copy."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> MooncakeConfig:
         """Read Mooncake's own variables: ``MOONCAKE_CONFIG_PATH`` (a JSON file with these
         field names) or ``MOONCAKE_MASTER`` plus ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
         ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``,
-        ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_TENANT_ID``.
-        Keyword overrides win."""
+        ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_TENANT_ID``,
+        and ``MOONCAKE_REPLICA_NUM`` (the name Mooncake's deployment scripts use; the binding
+        itself reads no variable for it). Keyword overrides win."""
         env = os.environ if environ is None else environ
         fields: dict[str, Any] = {}
         path = env.get("MOONCAKE_CONFIG_PATH")
@@ -144,6 +155,11 @@ class MooncakeConfig:
         for name in ("global_segment_size", "local_buffer_size"):
             if name in fields:
                 fields[name] = parse_size(fields[name], name)
+        if isinstance(fields.get("replica_num"), str):
+            text = fields["replica_num"].strip()
+            if not (text.isascii() and text.isdigit()):
+                raise ValueError(f"MOONCAKE_REPLICA_NUM must be a whole number >= 1, got {text!r}")
+            fields["replica_num"] = int(text)
         return cls(**fields)
 
     def setup_args(self) -> tuple[str, str, int, int, str, str, str]:
@@ -168,6 +184,7 @@ _ENV_FIELDS = {
     "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
     "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
     "MOONCAKE_TENANT_ID": "tenant_id",
+    "MOONCAKE_REPLICA_NUM": "replica_num",
 }
 _FILE_FIELDS = frozenset(_ENV_FIELDS.values())
 """A config file holds the same fields as the environment variables, by Mooncake's names."""

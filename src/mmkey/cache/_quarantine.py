@@ -1,0 +1,91 @@
+"""Holder quarantine: segment holders whose transfers failed, answered without the store.
+
+A read of an entry on a hung holder blocks inside Mooncake for up to 30 s (Mooncake reads
+the first replica the master lists and does not fail over within a call). Once a transfer
+from a holder (named by its transfer endpoint, ``"host:port"``) timed out or failed, reads
+that would go to it are misses at once. Every `retry_after` seconds one probe per holder
+checks whether it answers again (or the master no longer lists it); either lifts it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+
+__all__ = ["Quarantine"]
+
+_PROBE_KEYS = 3
+"""Keys kept per holder to probe it with (ones that were read from it when it failed)."""
+
+
+@attrs.define(slots=True)
+class _Held:
+    since: float
+    keys: list[str]
+    last_probe: float
+    probing: bool = False
+
+
+class Quarantine:
+    """The holders under quarantine; thread-safe."""
+
+    def __init__(self, retry_after: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._retry_after = retry_after
+        self._clock = clock
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+
+    def add(self, endpoint: str, keys: Sequence[str]) -> bool:
+        """Quarantine `endpoint` (a transfer to it failed; `keys` were read from it); whether
+        it was newly added."""
+        with self._lock:
+            held = self._held.get(endpoint)
+            if held is not None:
+                held.keys = list(dict.fromkeys([*keys, *held.keys]))[:_PROBE_KEYS]
+                return False
+            now = self._clock()
+            self._held[endpoint] = _Held(since=now, keys=list(keys)[:_PROBE_KEYS], last_probe=now)
+            return True
+
+    def lift(self, endpoint: str) -> None:
+        """Re-admit `endpoint`."""
+        with self._lock:
+            self._held.pop(endpoint, None)
+
+    def holds(self, endpoint: str) -> bool:
+        """Whether `endpoint` is quarantined."""
+        return endpoint in self._held
+
+    def endpoints(self) -> tuple[str, ...]:
+        """The quarantined endpoints, sorted."""
+        with self._lock:
+            return tuple(sorted(self._held))
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def due_probes(self) -> list[tuple[str, list[str]]]:
+        """Holders to probe now (with the keys to probe them by): none probed in the last
+        `retry_after` seconds and no probe of them still running. Marks them as probing."""
+        now = self._clock()
+        due: list[tuple[str, list[str]]] = []
+        with self._lock:
+            for endpoint, held in self._held.items():
+                if not held.probing and now - held.last_probe >= self._retry_after:
+                    held.probing, held.last_probe = True, now
+                    due.append((endpoint, list(held.keys)))
+        return due
+
+    def probed(self, endpoint: str, *, healthy: bool) -> None:
+        """A probe of `endpoint` ended: lift it if `healthy`, else keep it until the next."""
+        with self._lock:
+            held = self._held.get(endpoint)
+            if held is None:
+                return
+            if healthy:
+                del self._held[endpoint]
+            else:
+                held.probing, held.last_probe = False, self._clock()
