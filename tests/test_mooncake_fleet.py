@@ -1,0 +1,262 @@
+"""MooncakeCache against a real fleet: a master and two segment-holder processes, one of
+which is paused, killed or partitioned while readers (threads and asyncio) keep reading.
+
+Every call returns within the deadline plus scheduling slack; entries on the healthy holder
+keep hitting; reads bound for the failed holder are answered at once after the first failure;
+with two replicas no entry is lost when either holder dies; no wrong tensor is ever served;
+the reader recovers by itself. Time bounds only catch hangs (a stuck transfer lasts 30 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
+from mmkey.cache.aio import AsyncCache
+from mmkey.testing.fleet import Fleet, HolderProcess, replica_endpoints
+
+pytestmark = pytest.mark.mooncake
+
+DEADLINE = 0.3
+SLACK = 1.5
+QUICK = 0.05
+"""Reads bound for a quarantined holder: answered without a transfer."""
+
+
+def key(i: int) -> EmbeddingKey:
+    return EmbeddingKey("fleet", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i))
+
+
+def value(i: int) -> torch.Tensor:
+    return torch.full((256,), float(i))
+
+
+def wait_until(predicate: Callable[[], bool], seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def store(mooncake_fleet: Fleet) -> Iterator[object]:
+    """A pure client of the fleet on the raw binding, to see where entries landed."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup(*mooncake_fleet.client_config().setup_args()) == 0
+    yield client
+    client.close()
+
+
+def write(fleet: Fleet, keys: list[EmbeddingKey], replica_num: int = 1) -> MooncakeCache:
+    writer = MooncakeCache(fleet.client_config(deadline=30.0, replica_num=replica_num))
+    assert writer.insert_batch(keys, [value(k.digest) for k in keys]) == [True] * len(keys)
+    return writer
+
+
+def placement(fleet: Fleet, store: object, keys: list[EmbeddingKey]) -> dict[EmbeddingKey, list[HolderProcess]]:
+    where = replica_endpoints(store, [k.to_key() for k in keys])
+    found: dict[EmbeddingKey, list[HolderProcess]] = {}
+    for k in keys:
+        holders = [fleet.holder_of(e) for e in where[k.to_key()]]
+        assert holders and all(h is not None for h in holders), (k, where[k.to_key()])
+        found[k] = [h for h in holders if h is not None]
+    return found
+
+
+def reader_of(fleet: Fleet, **overrides: object) -> MooncakeCache:
+    fields: dict[str, object] = {"deadline": DEADLINE, "retry_after": 0.5}
+    fields.update(overrides)
+    return MooncakeCache(fleet.client_config(**fields))
+
+
+class Sweep:
+    """One pass over the keys, one call per key, with what each call returned and took."""
+
+    def __init__(self, reader: MooncakeCache, keys: list[EmbeddingKey]) -> None:
+        self.results: dict[EmbeddingKey, tuple[torch.Tensor | None, float]] = {}
+        for k in keys:
+            start = time.monotonic()
+            got = reader.get_embeddings([k])[0]
+            self.results[k] = (got, time.monotonic() - start)
+
+    def hits(self, keys: list[EmbeddingKey]) -> float:
+        return sum(self.results[k][0] is not None for k in keys) / max(len(keys), 1)
+
+    def check(self) -> None:
+        for k, (got, took) in self.results.items():
+            assert took < DEADLINE + SLACK, (k, took)
+            assert got is None or torch.equal(got, value(k.digest)), k
+
+
+def split(
+    where: dict[EmbeddingKey, list[HolderProcess]], victim: HolderProcess
+) -> tuple[list[EmbeddingKey], list[EmbeddingKey]]:
+    on_victim = [k for k, holders in where.items() if holders[0] is victim]
+    healthy = [k for k, holders in where.items() if holders[0] is not victim]
+    assert on_victim and healthy, "the master put every entry on one holder"
+    return healthy, on_victim
+
+
+def test_a_paused_holder_never_blinds_a_reader(mooncake_fleet: Fleet, store: object) -> None:
+    keys = [key(i) for i in range(100)]
+    writer = write(mooncake_fleet, keys)
+    reader = reader_of(mooncake_fleet)
+    try:
+        healthy, on_victim = split(placement(mooncake_fleet, store, keys), mooncake_fleet.holders[0])
+        assert Sweep(reader, keys).hits(keys) == 1.0
+        mooncake_fleet.holders[0].pause()
+        sweeps = [Sweep(reader, keys) for _ in range(3)]
+        for sweep in sweeps:
+            sweep.check()
+            assert sweep.hits(healthy) >= 0.9, [s.hits(healthy) for s in sweeps]
+        # after the first failure, reads bound for the paused holder are answered at once
+        later = [took for s in sweeps[1:] for k, (_, took) in s.results.items() if k in on_victim]
+        assert statistics.median(later) < QUICK, statistics.median(later)
+        health = reader.health()
+        assert mooncake_fleet.holders[0].endpoints & set(health.quarantined)
+        assert reader.stats().skipped > 0
+        mooncake_fleet.holders[0].resume()
+        # a reader that keeps reading re-admits the holder by itself (probes ride on reads)
+        assert wait_until(lambda: Sweep(reader, keys).hits(keys) == 1.0, 60), reader.health()
+        assert reader.health().quarantined == ()
+    finally:
+        if mooncake_fleet.holders[0].paused:
+            mooncake_fleet.holders[0].resume()
+        reader.close()
+        writer.close()
+
+
+def test_a_killed_holder_costs_one_failure_then_answers_at_once(
+    mooncake_fleet: Fleet, store: object
+) -> None:
+    keys = [key(1000 + i) for i in range(60)]
+    writer = write(mooncake_fleet, keys)
+    reader = reader_of(mooncake_fleet)
+    try:
+        healthy, on_victim = split(placement(mooncake_fleet, store, keys), mooncake_fleet.holders[0])
+        mooncake_fleet.holders[0].kill()
+        sweeps = [Sweep(reader, keys) for _ in range(3)]
+        for sweep in sweeps:
+            sweep.check()
+            assert sweep.hits(healthy) >= 0.9
+            assert sweep.hits(on_victim) == 0.0
+        later = [took for s in sweeps[1:] for k, (_, took) in s.results.items() if k in on_victim]
+        assert statistics.median(later) < QUICK, statistics.median(later)
+        # the master drops the dead holder (about 10 s); its quarantine lifts by itself
+        assert mooncake_fleet.wait_segments(1, timeout=60)
+        assert wait_until(lambda: (Sweep(reader, keys), reader.health().quarantined)[1] == (), 30)
+        final = Sweep(reader, keys)
+        final.check()
+        assert final.hits(healthy) == 1.0
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.parametrize("fault", ["kill", "pause"])
+@pytest.mark.parametrize("victim_index", [0, 1])
+def test_two_replicas_lose_nothing_when_either_holder_fails(
+    mooncake_fleet: Fleet, store: object, fault: str, victim_index: int
+) -> None:
+    keys = [key(2000 + i) for i in range(40)]
+    writer = write(mooncake_fleet, keys, replica_num=2)
+    reader = reader_of(mooncake_fleet)
+    victim = mooncake_fleet.holders[victim_index]
+    try:
+        where = placement(mooncake_fleet, store, keys)
+        assert all({h.name for h in holders} == {"holder0", "holder1"} for holders in where.values())
+        getattr(victim, fault)()
+        for _ in range(2):
+            Sweep(reader, keys).check()  # bounded, never a wrong tensor, while the master decides
+        assert mooncake_fleet.wait_segments(1, timeout=60)
+        assert wait_until(lambda: Sweep(reader, keys).hits(keys) == 1.0, 30), "an entry was lost"
+    finally:
+        if victim.paused:
+            victim.resume()
+        reader.close()
+        writer.close()
+
+
+def test_thread_and_async_readers_keep_hitting_while_a_holder_is_paused(
+    mooncake_fleet: Fleet, store: object
+) -> None:
+    keys = [key(3000 + i) for i in range(60)]
+    writer = write(mooncake_fleet, keys)
+    reader = reader_of(mooncake_fleet)
+    failures: list[str] = []
+    healthy_hits: list[float] = []
+    try:
+        healthy, _ = split(placement(mooncake_fleet, store, keys), mooncake_fleet.holders[0])
+        mooncake_fleet.holders[0].pause()
+        Sweep(reader, keys)  # the first failure: the holder is quarantined
+
+        def thread_reader() -> None:
+            for _ in range(3):
+                sweep = Sweep(reader, keys)
+                try:
+                    sweep.check()
+                except AssertionError as exc:
+                    failures.append(repr(exc))
+                healthy_hits.append(sweep.hits(healthy))
+
+        async def async_reader() -> None:
+            cache = AsyncCache(reader)
+            for _ in range(3):
+                for k in keys:
+                    start = time.monotonic()
+                    got = (await cache.get_embeddings([k]))[0]
+                    if time.monotonic() - start >= DEADLINE + SLACK:
+                        failures.append(f"async read of {k} took too long")
+                    if got is not None and not torch.equal(got, value(k.digest)):
+                        failures.append(f"wrong tensor for {k}")
+
+        threads = [threading.Thread(target=thread_reader) for _ in range(3)]
+        for t in threads:
+            t.start()
+        asyncio.run(async_reader())
+        for t in threads:
+            t.join(120)
+        assert failures == []
+        assert min(healthy_hits) >= 0.9, healthy_hits
+    finally:
+        if mooncake_fleet.holders[0].paused:
+            mooncake_fleet.holders[0].resume()
+        reader.close()
+        writer.close()
+
+
+def test_a_partitioned_holder_is_quarantined_and_readmitted(mooncake_fleet_netns: Fleet) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    fleet = mooncake_fleet_netns
+    raw = MooncakeDistributedStore()
+    assert raw.setup(*fleet.client_config().setup_args()) == 0
+    keys = [key(4000 + i) for i in range(40)]
+    writer = write(fleet, keys)
+    reader = reader_of(fleet)
+    try:
+        healthy, on_victim = split(placement(fleet, raw, keys), fleet.holders[0])
+        fleet.holders[0].partition()
+        sweeps = [Sweep(reader, keys) for _ in range(2)]
+        for sweep in sweeps:
+            sweep.check()
+            assert sweep.hits(healthy) >= 0.9
+        fleet.holders[0].heal()
+        assert wait_until(lambda: (Sweep(reader, keys), reader.health().quarantined)[1] == (), 60)
+    finally:
+        if fleet.holders[0].partitioned:
+            fleet.holders[0].heal()
+        reader.close()
+        writer.close()
+        raw.close()
