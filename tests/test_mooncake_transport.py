@@ -1,0 +1,66 @@
+"""The Mooncake transport's lanes on their own: which lane a transfer goes to, and skips."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from mmkey.cache._mooncake_transport import TRANSFER_LANES, StoreTransport
+from mmkey.cache.mooncake_config import MooncakeConfig
+
+
+class NeverSetUp:
+    """A store class the transport never instantiates here (no connect)."""
+
+
+@pytest.fixture
+def transport() -> Iterator[StoreTransport]:
+    config = MooncakeConfig(master_server_address="127.0.0.1:9", deadline=0.2)
+    t = StoreTransport(config, NeverSetUp, lambda: None, lambda: None)  # type: ignore[arg-type]
+    yield t
+    t.close()
+
+
+def occupy(transport: StoreTransport, index: int, release: threading.Event) -> threading.Event:
+    started = threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(10)
+
+    transport.lanes[index].runner.submit(hold)
+    assert started.wait(5)
+    return started
+
+
+def test_idle_lanes_first_then_queue_behind_a_healthy_one_then_none(transport: StoreTransport) -> None:
+    assert TRANSFER_LANES >= 2
+    release = threading.Event()
+    try:
+        taken: set[int] = set()
+        first = transport.pick_lane(taken)
+        assert first is transport.lanes[0] and taken == {0}
+        occupy(transport, 0, release)
+        assert transport.pick_lane(set()) is transport.lanes[1], "an idle lane before a busy one"
+        for i in range(1, TRANSFER_LANES):
+            occupy(transport, i, release)
+        busy = transport.pick_lane(set())
+        assert busy is transport.lanes[0], "every lane busy but within its deadline: queue behind one"
+        time.sleep(0.3)  # past the deadline: every lane is stuck now
+        assert transport.pick_lane(set()) is None
+        assert transport.busy_lanes() == TRANSFER_LANES
+    finally:
+        release.set()
+    for lane in transport.lanes:
+        lane.runner.call(lambda: None, deadline=5)
+    assert transport.busy_lanes() == 0
+
+
+def test_distinct_lanes_within_one_round(transport: StoreTransport) -> None:
+    taken: set[int] = set()
+    lanes = [transport.pick_lane(taken) for _ in range(TRANSFER_LANES)]
+    assert len({id(lane) for lane in lanes}) == TRANSFER_LANES
+    assert transport.pick_lane(taken) is None, "one transfer per lane in a round"

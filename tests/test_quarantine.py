@@ -1,0 +1,54 @@
+"""Holder quarantine on its own, with a fake clock."""
+
+from __future__ import annotations
+
+from mmkey.cache._quarantine import Quarantine
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_add_holds_and_lift() -> None:
+    q = Quarantine(retry_after=1.0, clock=FakeClock())
+    assert not q and q.endpoints() == ()
+    assert q.add("10.0.0.2:15000", ["k1", "k2"])
+    assert not q.add("10.0.0.2:15000", ["k3"]), "already held"
+    assert q.add("10.0.0.1:15000", ["k9"])
+    assert q and q.holds("10.0.0.2:15000") and not q.holds("10.0.0.3:15000")
+    assert q.endpoints() == ("10.0.0.1:15000", "10.0.0.2:15000")
+    q.lift("10.0.0.2:15000")
+    q.lift("10.0.0.2:15000")  # idempotent
+    assert q.endpoints() == ("10.0.0.1:15000",)
+
+
+def test_one_probe_per_holder_per_period_and_none_while_one_runs() -> None:
+    clock = FakeClock()
+    q = Quarantine(retry_after=1.0, clock=clock)
+    q.add("h:1", ["a", "b", "c", "d"])
+    assert q.due_probes() == [], "just quarantined: wait a period first"
+    clock.now += 1.0
+    assert q.due_probes() == [("h:1", ["a", "b", "c"])]
+    clock.now += 5.0
+    assert q.due_probes() == [], "the probe still runs (a stuck transfer)"
+    q.probed("h:1", healthy=False)
+    assert q.holds("h:1") and q.due_probes() == []
+    clock.now += 1.0
+    assert [endpoint for endpoint, _ in q.due_probes()] == ["h:1"]
+    q.probed("h:1", healthy=True)
+    assert not q.holds("h:1") and q.due_probes() == []
+    q.probed("h:1", healthy=False)  # a late report about a lifted holder changes nothing
+    assert not q
+
+
+def test_probe_keys_prefer_the_latest_failures() -> None:
+    clock = FakeClock()
+    q = Quarantine(retry_after=1.0, clock=clock)
+    q.add("h:1", ["old1", "old2", "old3"])
+    q.add("h:1", ["new"])
+    clock.now += 1.0
+    assert q.due_probes() == [("h:1", ["new", "old1", "old2"])]
