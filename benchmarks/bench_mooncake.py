@@ -12,6 +12,13 @@ times each operation both ways (best of N) and prints the ratio adapter / raw:
   verified) against the unsigned read. Target <= 1.5x.
 - MiB/s writing and reading 64 KiB and 8 MiB entries: raw ``put``/``get`` of bytes in a
   loop against the adapter's batch calls (registered buffers, every entry verified).
+- A fleet (a master and two holder processes, `mmkey.testing.fleet`): hits per second and
+  p99 call latency of a reader sweeping 100 keys one call at a time, healthy and with one
+  holder paused (SIGSTOP), adapter against the raw binding (whose sweep is cut off after
+  `RAW_SWEEP_CAP_S`: one read of a key on the paused holder blocks for up to 30 s); and the
+  cost of ``replica_num=2`` on writes.
+- The freeze of a healthy ``close()`` (Mooncake's close holds the GIL): the longest gap of a
+  thread ticking every millisecond meanwhile, pure client and with a segment.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from mmkey.testing.mooncake_master import running_master
 
 MiB = 1 << 20
 REPEATS = 7
+RAW_SWEEP_CAP_S = 40.0
 
 
 def best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
@@ -186,5 +194,124 @@ def main() -> None:
             raw.close()
 
 
+def sweep(read: Callable[[int], bool], count: int, cap_s: float = 1e9) -> tuple[float, float, int]:
+    """Read keys 0..count-1 one call each: (hits per second, p99 call seconds, calls made)."""
+    latencies: list[float] = []
+    hits = 0
+    start = time.perf_counter()
+    for i in range(count):
+        t = time.perf_counter()
+        hits += read(i)
+        latencies.append(time.perf_counter() - t)
+        if time.perf_counter() - start > cap_s:
+            break
+    elapsed = time.perf_counter() - start
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    return hits / elapsed, p99, len(latencies)
+
+
+def fleet_table() -> None:
+    """Reader sweeps against a two-holder fleet, healthy and with one holder paused."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from mmkey.testing.fleet import running_fleet
+
+    count = 100
+    keys = [EmbeddingKey("fleet", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i)) for i in range(count)]
+    raw_keys = [f"fleet_raw_{i}" for i in range(count)]
+    tensors = [torch.randn(16 * 1024) for _ in range(count)]  # 64 KiB each
+    with running_fleet(2, segment_size=512 * MiB) as fleet:
+        raw = MooncakeDistributedStore()
+        assert raw.setup(*fleet.client_config(local_buffer_size=64 * MiB).setup_args()) == 0
+        writer = MooncakeCache(fleet.client_config(deadline=30.0), keyring=None)
+        reader = MooncakeCache(fleet.client_config(deadline=0.5), keyring=None)
+        try:
+            assert writer.insert_batch(keys, tensors) == [True] * count
+            for k, t in zip(raw_keys, tensors):
+                assert raw.put(k, t.numpy().tobytes()) == 0
+
+            def adapter_read(i: int) -> bool:
+                return reader.get_embeddings([keys[i]])[0] is not None
+
+            def raw_read(i: int) -> bool:
+                return len(raw.get(raw_keys[i])) > 0
+
+            print(f"\n{'fleet of 2 holders, 100 x 64 KiB, one key a call':46} {'hits/s':>9} {'p99 ms':>9} {'calls':>8}")
+            for name, read in (("healthy, mmkey", adapter_read), ("healthy, raw", raw_read)):
+                best_rate, best_p99, calls = 0.0, 0.0, 0
+                for _ in range(3):
+                    rate, p99, calls = sweep(read, count)
+                    if rate > best_rate:
+                        best_rate, best_p99 = rate, p99
+                print(f"{name:46} {best_rate:9.0f} {best_p99 * 1e3:9.2f} {calls:8}")
+            fleet.holders[0].pause()
+            try:
+                first = sweep(adapter_read, count)
+                again = sweep(adapter_read, count)
+                print(f"{'one holder paused, mmkey, first sweep':46} {first[0]:9.0f} {first[1] * 1e3:9.2f} {first[2]:8}")
+                print(f"{'one holder paused, mmkey, next sweep':46} {again[0]:9.0f} {again[1] * 1e3:9.2f} {again[2]:8}")
+                capped = sweep(raw_read, count, RAW_SWEEP_CAP_S)
+                label = f"one holder paused, raw (cut at {RAW_SWEEP_CAP_S:.0f} s)"
+                print(f"{label:46} {capped[0]:9.0f} {capped[1] * 1e3:9.2f} {capped[2]:8}")
+            finally:
+                fleet.holders[0].resume()
+        finally:
+            reader.close()
+            writer.close()
+            raw.close()
+    with running_fleet(2, segment_size=512 * MiB) as fleet:
+        one = MooncakeCache(fleet.client_config(deadline=30.0), keyring=None)
+        two = MooncakeCache(fleet.client_config(deadline=30.0, replica_num=2), keyring=None)
+        try:
+            t_one, t_two = best_interleaved(
+                lambda: one.insert_batch(keys, tensors), lambda: two.insert_batch(keys, tensors)
+            )
+            print(f"\n{'writes (ms; ratio 2 replicas / 1)':46} {'1 copy':>9} {'2 copies':>9} {'ratio':>8}")
+            row("insert 100 x 64 KiB", t_one, t_two)
+        finally:
+            two.close()
+            one.close()
+
+
+def close_freeze() -> None:
+    """The longest stall of a ticking thread while a healthy MooncakeCache closes."""
+    import threading
+
+    longest = [0.0]
+    stop = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not stop.wait(0.001):
+            now = time.perf_counter()
+            longest[0] = max(longest[0], now - last)
+            last = now
+
+    print(f"\n{'healthy close() (s)':46} {'took':>9} {'freeze':>9}")
+    with running_master() as master:
+        for label, segment in (("pure client", 0), ("with a 64 MiB segment", 64 * MiB)):
+            cache = MooncakeCache(
+                MooncakeConfig(master_server_address=master.address, global_segment_size=segment,
+                               local_buffer_size=16 * MiB),
+                keyring=None,
+            )
+            cache.insert_batch([EmbeddingKey("close", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(1))], [torch.ones(4)])
+            ticker = threading.Thread(target=tick, daemon=True)
+            stop.clear()
+            ticker.start()
+            time.sleep(0.05)
+            longest[0] = 0.0
+            start = time.perf_counter()
+            cache.close()
+            took = time.perf_counter() - start
+            time.sleep(0.05)
+            stop.set()
+            ticker.join()
+            print(f"{label:46} {took:9.2f} {longest[0]:9.2f}")
+
+
 if __name__ == "__main__":
     main()
+    fleet_table()
+    close_freeze()

@@ -230,6 +230,12 @@ class StoreTransport:
         self.succeeded()  # a transfer asks the master first: it answered
         return result
 
+    def background(self, fn: Callable[[MooncakeDistributedStore], object]) -> None:
+        """Queue `fn(store)` on the metadata lane without waiting (ahead of later lookups);
+        its failures are ignored."""
+        if not self._closed:
+            self._meta.submit(functools.partial(self._run, fn))
+
     def probe(self, fn: Callable[[MooncakeDistributedStore], bool], endpoint: str) -> None:
         """Run `fn` (does `endpoint` answer again?) on the probe lane, without waiting."""
         future = self._prober.submit(functools.partial(self._run, fn))

@@ -46,6 +46,10 @@ _RPC_FAILURES = frozenset({-900, -901})
 _BUFFER_TOO_SMALL = -600
 _TRANSFER_FAILURES = range(-899, -799)
 """Codes of a transfer that reached the master but not the holder (TRANSFER_FAIL, -800...)."""
+_UNKNOWN = ""
+"""The holder group of keys read before any failure, without looking their holders up."""
+_GROUPED_S = 60.0
+"""How long after a failed transfer reads look up each key's holder first."""
 _LOG = logging.getLogger("mmkey.cache.mooncake")
 _LOG_EVERY_S = 10.0
 _INSTALL_HINT = (
@@ -77,14 +81,21 @@ def _release(staging: Staging, _: object) -> None:
 
 
 def _memory_endpoints(replicas: Sequence[ReplicaDescriptor]) -> list[str]:
-    """Transfer endpoints of the in-memory replicas, in the master's order (reads use the
-    first)."""
+    """Transfer endpoints of the in-memory replicas, in the master's order."""
     found: list[str] = []
     for replica in replicas:
         with contextlib.suppress(Exception):  # a replica of another kind has no memory side
-            if replica.is_memory_replica():
-                found.append(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
+            found.append(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
     return found
+
+
+def _read_from(replicas: Sequence[ReplicaDescriptor]) -> str | None:
+    """The holder a read goes to: the first in-memory replica the master lists (Mooncake
+    reads that one and does not fail over within a call); ``None`` when there is none."""
+    for replica in replicas:
+        with contextlib.suppress(Exception):
+            return replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+    return None
 
 
 class _SkipLog:
@@ -182,6 +193,7 @@ class MooncakeCache:
             config, MooncakeDistributedStore, self._counts.error, self._skipped_by_breaker
         )
         self._replicas: ReplicateConfig | None = None  # made on first write
+        self._grouped_until = 0.0  # reads look holders up until then (after a failure)
         self._transport.connect(time.monotonic() + config.setup_deadline)
 
     @property
@@ -312,32 +324,24 @@ class MooncakeCache:
     def _read(self, texts: list[str], give_up: float) -> dict[str, torch.Tensor]:
         """Verified tensors of the keys found, all within one deadline.
 
-        The master's replica list says which holder each read goes to (Mooncake reads the
-        first listed replica): keys absent from it are misses without a transfer, keys bound
-        for a quarantined holder are misses at once, and the rest are read per holder, each
-        holder's keys on a transfer lane of their own, in parallel. A lane only moves entries
-        into its staging buffer; the caller's thread decodes them from there (allocating
-        where the caller's tensors live), holding the lane's lease meanwhile.
+        While every holder is healthy, keys go to the store in one transfer per staging
+        buffer (holders unknown). Once a transfer failed, and while any holder is quarantined
+        or for `_GROUPED_S` seconds after the last failure, the master's replica list first
+        says which holder each read goes to (Mooncake reads the first listed replica): keys
+        absent from it are misses without a transfer, keys bound for a quarantined holder are
+        misses at once, and the rest are read per holder, in parallel on transfer lanes of
+        their own. A lane only moves entries into its staging buffer; the caller's thread
+        decodes them from there (allocating where the caller's tensors live), holding the
+        lane's lease meanwhile.
         """
-        placed = self._transport.meta(lambda store: store.batch_get_replica_desc(texts), give_up)
-        if placed is None:
-            return {}
         quarantine = self._transport.quarantine
-        groups: dict[str, list[str]] = {}
-        bound_for_quarantine = 0
-        for text in texts:
-            endpoints = _memory_endpoints(placed.get(text, ()))
-            if not endpoints:
-                continue  # the master holds no copy: a miss
-            if quarantine.holds(endpoints[0]):
-                bound_for_quarantine += 1
-                continue
-            groups.setdefault(endpoints[0], []).append(text)
-        if quarantine:
-            if bound_for_quarantine:
-                self._counts.skip()
-                self._skips.note("holder quarantined")
-            self._probe_quarantined()
+        if quarantine or time.monotonic() < self._grouped_until:
+            grouped = self._group_by_holder(texts, give_up)
+            if grouped is None:
+                return {}
+            groups = grouped
+        else:
+            groups = {_UNKNOWN: list(texts)}
         found: dict[str, torch.Tensor] = {}
         too_big: dict[str, list[str]] = {}
         while groups and time.monotonic() < give_up:
@@ -369,7 +373,11 @@ class MooncakeCache:
                     self._holder_failed(endpoint, chunk, outcome)
                     groups.pop(endpoint, None)
                     continue
-                self._decode_chunk(found, lane, chunk, slot, outcome, too_big.setdefault(endpoint, []))
+                failed = self._decode_chunk(
+                    found, lane, chunk, slot, outcome, too_big.setdefault(endpoint, [])
+                )
+                if failed:
+                    self._holder_failed(endpoint, failed, TransferFailed("transfer failed"))
         for endpoint, large in too_big.items():
             lane = self._transport.pick_lane(set())
             if not large or lane is None or time.monotonic() >= give_up:
@@ -383,6 +391,31 @@ class MooncakeCache:
             lane.staging.slots.observe(got[1])
         return found
 
+    def _group_by_holder(self, texts: list[str], give_up: float) -> dict[str, list[str]] | None:
+        """The keys by the holder a read of each goes to, leaving out keys the master does not
+        hold and keys bound for a quarantined holder; ``None`` if the master did not answer."""
+        placed = self._transport.meta(lambda store: store.batch_get_replica_desc(texts), give_up)
+        if placed is None:
+            return None
+        quarantine = self._transport.quarantine
+        groups: dict[str, list[str]] = {}
+        bound_for_quarantine = 0
+        for text in texts:
+            replicas = placed.get(text)
+            endpoint = _read_from(replicas) if replicas else None
+            if endpoint is None:
+                continue  # the master holds no copy: a miss
+            if quarantine.holds(endpoint):
+                bound_for_quarantine += 1
+                continue
+            groups.setdefault(endpoint, []).append(text)
+        if bound_for_quarantine:
+            self._counts.skip()
+            self._skips.note("holder quarantined")
+        if quarantine:
+            self._probe_quarantined()
+        return groups
+
     def _decode_chunk(
         self,
         found: dict[str, torch.Tensor],
@@ -391,10 +424,12 @@ class MooncakeCache:
         slot: int,
         moved: tuple[memoryview, list[int]],
         too_big: list[str],
-    ) -> None:
-        """Decode one transfer's entries from the lane's staging buffer, then release it."""
+    ) -> list[str]:
+        """Decode one transfer's entries from the lane's staging buffer, then release it;
+        returns the keys whose transfer failed (their holder did not answer)."""
         staging, codes = moved
         largest = 0
+        failed: list[str] = []
         try:
             for i, (text, code) in enumerate(zip(chunk, codes)):
                 if code > 0:
@@ -402,13 +437,44 @@ class MooncakeCache:
                     self._decode_into(found, text, staging[i * slot : i * slot + code])
                 elif code == _BUFFER_TOO_SMALL:
                     too_big.append(text)
+                elif code in _TRANSFER_FAILURES:
+                    failed.append(text)
         finally:
             lane.staging.lease.release()
         lane.staging.slots.observe(largest)
+        return failed
 
     def _holder_failed(self, endpoint: str, keys: list[str], why: BaseException) -> None:
-        """A transfer from `endpoint` timed out or failed: quarantine the holder."""
-        if isinstance(why, (CallTimeout, TransferFailed)) and self._transport.quarantine.add(endpoint, keys):
+        """A transfer of `keys` from `endpoint` timed out or failed: quarantine the holder.
+
+        With the holder unknown (`_UNKNOWN`: read before any failure), reads look holders
+        up for the next `_GROUPED_S` seconds, and a lookup on the metadata lane, queued
+        ahead of any later read's own, quarantines the keys' holder if they share one.
+        """
+        if not isinstance(why, (CallTimeout, TransferFailed)):
+            return
+        self._grouped_until = time.monotonic() + _GROUPED_S
+        if endpoint != _UNKNOWN:
+            self._quarantine(endpoint, keys, why)
+            return
+
+        failed_at = time.monotonic()
+
+        def attribute(store: MooncakeDistributedStore) -> None:
+            left = failed_at + self._config.deadline - time.monotonic()
+            if left <= 0 or not self._transport.master_answers(left):
+                return  # stale (the store may have changed since), or the master is what failed
+            placed = store.batch_get_replica_desc(keys)
+            if time.monotonic() - failed_at > self._config.deadline:
+                return
+            holders = {_read_from(placed.get(k, ())) for k in keys} - {None}
+            if len(holders) == 1:
+                self._quarantine(holders.pop() or "", keys, why)
+
+        self._transport.background(attribute)
+
+    def _quarantine(self, endpoint: str, keys: list[str], why: BaseException) -> None:
+        if self._transport.quarantine.add(endpoint, keys):
             _LOG.warning(
                 "Mooncake holder %s quarantined: a transfer %s; reads bound for it are misses "
                 "until it answers again or the master drops it",
@@ -461,8 +527,6 @@ class MooncakeCache:
             codes = store.batch_get_into(chunk, ptrs, [slot] * len(chunk))
             if not _RPC_FAILURES.isdisjoint(codes):
                 raise StoreError(f"batch_get_into: master unreachable ({codes})")
-            if any(code in _TRANSFER_FAILURES for code in codes):
-                raise TransferFailed(f"batch_get_into: transfer failed ({codes})")
         except BaseException:
             lane_staging.lease.release()
             raise
