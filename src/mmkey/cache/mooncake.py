@@ -660,7 +660,11 @@ class MooncakeCache:
             return {}
         keys = [text for text, _, _ in batch]
         ptrs = [base + offset for _, offset, _ in batch]
-        codes = store.batch_upsert_from(keys, ptrs, [size for _, _, size in batch], self._replicate())
+        sizes = [size for _, _, size in batch]
+        if self._config.replica_num == 1:  # Mooncake's default placement
+            codes = store.batch_upsert_from(keys, ptrs, sizes)
+        else:
+            codes = store.batch_upsert_from(keys, ptrs, sizes, self._replicate())
         if not _RPC_FAILURES.isdisjoint(codes):
             raise StoreError(f"batch_upsert_from: master unreachable ({codes[0]})")
         return {text: code == 0 for text, code in zip(keys, codes)}
@@ -678,7 +682,10 @@ class MooncakeCache:
         buf = torch.empty(size, dtype=torch.uint8)
         encode(buf.numpy().data, text, tensor)
         with _registered(store, buf) as ptr:
-            code = store.upsert_from(text, ptr, size, self._replicate())
+            if self._config.replica_num == 1:
+                code = store.upsert_from(text, ptr, size)
+            else:
+                code = store.upsert_from(text, ptr, size, self._replicate())
         if code in _RPC_FAILURES:
             raise StoreError(f"upsert_from: master unreachable ({code})")
         return code == 0
