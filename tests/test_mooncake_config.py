@@ -124,3 +124,22 @@ def test_tenant_id_is_mooncakes_field_and_variable(tmp_path: Path) -> None:
         MooncakeConfig(master_server_address="127.0.0.1:50051", tenant_id="")
     with pytest.raises(TypeError, match="tenant_id"):
         MooncakeConfig(master_server_address="127.0.0.1:50051", tenant_id=7)  # type: ignore[arg-type]
+
+
+def test_replica_num_is_mooncakes_field_and_variable(tmp_path: Path) -> None:
+    address = {"MOONCAKE_MASTER": "127.0.0.1:50051"}
+    assert MooncakeConfig.from_env(address).replica_num == 1
+    assert MooncakeConfig.from_env({**address, "MOONCAKE_REPLICA_NUM": "2"}).replica_num == 2
+    assert MooncakeConfig.from_env({**address, "MOONCAKE_REPLICA_NUM": " 3 "}).replica_num == 3
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "127.0.0.1:50051", "replica_num": 2}))
+    assert MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(path)}).replica_num == 2
+    for text in ("two", "-1", "1.5", "٣"):
+        with pytest.raises(ValueError, match="MOONCAKE_REPLICA_NUM"):
+            MooncakeConfig.from_env({**address, "MOONCAKE_REPLICA_NUM": text})
+    with pytest.raises(ValueError, match="replica_num"):
+        MooncakeConfig(master_server_address="127.0.0.1:50051", replica_num=0)
+    with pytest.raises(TypeError, match="replica_num"):
+        MooncakeConfig(master_server_address="127.0.0.1:50051", replica_num=True)
+    with pytest.raises(TypeError, match="replica_num"):
+        MooncakeConfig(master_server_address="127.0.0.1:50051", replica_num="2")  # type: ignore[arg-type]

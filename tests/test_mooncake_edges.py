@@ -524,3 +524,57 @@ def test_a_side_stream_output_is_stored_complete(  # pragma: no cover
             assert cache.insert_batch([key(800)], [out]) == [True]
         got = cache.get_embeddings([key(800)])[0]
         assert got is not None and torch.equal(got, torch.full((1 << 20,), 7.0))
+
+
+def test_overlapping_calls_into_the_binding_are_safe(
+    monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
+) -> None:
+    # writers, readers and lookups from six threads; the lanes call the binding at the same
+    # time (measured below) and every answer is right
+    import mooncake.store
+
+    base = mooncake.store.MooncakeDistributedStore
+    active = [0, 0]  # now, most at once
+    lock = threading.Lock()
+
+    def overlapping(name: str) -> Callable[..., Any]:
+        original = getattr(base, name)
+
+        def call(self: Any, *args: Any) -> Any:
+            with lock:
+                active[0] += 1
+                active[1] = max(active[1], active[0])
+            try:
+                return original(self, *args)
+            finally:
+                with lock:
+                    active[0] -= 1
+
+        return call
+
+    methods = ("batch_get_into", "batch_upsert_from", "batch_is_exist")
+    subclass = type("Overlapping", (base,), {m: overlapping(m) for m in methods})
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", subclass)
+    wrong: list[str] = []
+    with MooncakeCache(config(mooncake_master_session, deadline=30.0)) as cache:
+
+        def worker(n: int) -> None:
+            keys = [key(900_000 + n * 100 + i) for i in range(20)]
+            for round_ in range(15):
+                values = [torch.full((4096,), float(n * 1000 + round_ * 20 + i)) for i in range(20)]
+                if cache.insert_batch(keys, values) != [True] * 20:
+                    wrong.append(f"insert {n}/{round_}")
+                if cache.batch_is_exist(keys) != [True] * 20:
+                    wrong.append(f"exists {n}/{round_}")
+                for got, want in zip(cache.get_embeddings(keys), values):
+                    if got is None or not torch.equal(got, want):
+                        wrong.append(f"read {n}/{round_}")
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert wrong == []
+        assert cache.stats().errors == 0
+    assert active[1] >= 2, "the binding never saw two calls at once"
