@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+from mooncake.store import MooncakeDistributedStore, ReplicaDescriptor, ReplicateConfig
 from typing_extensions import assert_type
 
+from mmkey.cache.health import CacheHealth
 from mmkey import (
     AsyncCache,
     CacheStats,
@@ -30,6 +31,9 @@ def adapter_types(config: MooncakeConfig, key: EmbeddingKey, t: torch.Tensor, h:
     assert_type(cache.prefetch([key]), int)
     assert_type(cache.stats(), CacheStats)
     assert_type(cache.is_connected(), bool)
+    assert_type(cache.health(), CacheHealth)
+    assert_type(config.replica_num, int)
+    MooncakeConfig(master_server_address="h:1", replica_num="2")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     assert_type(MooncakeConfig.from_env(), MooncakeConfig)
     assert_type(config.setup_args(), tuple[str, str, int, int, str, str, str])
     with MooncakeCache(config) as scoped:
@@ -52,6 +56,8 @@ def binding_types(store: MooncakeDistributedStore) -> None:
     assert_type(store.batch_get_into(["k"], [0], [1]), list[int])
     assert_type(store.batch_upsert_from(["k"], [0], [1]), list[int])
     store.put("k", b"v", ReplicateConfig())
+    assert_type(store.batch_get_replica_desc(["k"]), dict[str, list[ReplicaDescriptor]])
+    assert_type(store.get_replica_desc("k")[0].get_memory_descriptor().buffer_descriptor.transport_endpoint, str)
     store.get(key="k")  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
     store.put(5, b"v")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     store.batch_is_exist("k")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
