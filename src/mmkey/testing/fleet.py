@@ -26,7 +26,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -39,12 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 from mmkey._net import port_accepts
 from mmkey.holder import HolderSpec, find_holder_binary
+from mmkey.testing import _process
+from mmkey.testing._process import POLL_S, ManagedProcess
 from mmkey.testing.mooncake_master import (
     HOST,
     INSTALL_HINT,
     MasterProcess,
     _free_port,
-    _wait_stopped,
     running_master,
 )
 
@@ -62,14 +62,10 @@ __all__ = [
     "running_fleet",
 ]
 
-_STOP_GRACE_S = 5.0
-_POLL_S = 0.02
-_LOG_TAIL_CHARS = 4000
 _SUBNET_PREFIX = "10.213"
 """Private /24 networks 10.213.X.0/24 for namespaced fleets (X picked free at start)."""
 _SEGMENT = re.compile(r'^segment_total_capacity_bytes\{segment="([^"]+)"\}', re.MULTILINE)
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_LIVE_HOLDERS: weakref.WeakSet[HolderProcess] = weakref.WeakSet()
 _LIVE_NETS: weakref.WeakSet[_TestNetwork] = weakref.WeakSet()
 _NAMES = itertools.count()
 _START_LOCK = threading.Lock()
@@ -242,10 +238,11 @@ class _TestNetwork:
         _LIVE_NETS.discard(self)
 
 
-class HolderProcess:
+class HolderProcess(ManagedProcess):
     """A mutable handle on one segment-holder process; ``restart()`` keeps its name and address.
 
-    Create it through `running_fleet`. ``pid`` and ``endpoints`` change on restart.
+    Create it through `running_fleet`. ``pid`` and ``endpoints`` change on restart. `kill` is
+    a crash: the holder's entries are gone for everyone.
     """
 
     def __init__(
@@ -260,35 +257,25 @@ class HolderProcess:
         links: tuple[str, str] | None = None,
         timeout: float = 15.0,
     ) -> None:
+        super().__init__(workdir=workdir)
         self._name = name
         self._master = master
-        self._workdir = workdir
         self._segment_size = segment_size
         self._host = host
         self._netns = netns
         self._links = links
         self._timeout = timeout
-        self._lock = threading.RLock()
-        self._proc: subprocess.Popen[bytes] | None = None
         self._port = 0
         self._endpoints: frozenset[str] = frozenset()
         self._segment = ""
-        self._paused = False
         self._partitioned = False
         self._shaped = False
-        self._starts = 0
 
     # -- identity -------------------------------------------------------------------------
     @property
     def name(self) -> str:
         """``"holder0"``, ``"holder1"``, ...: stable across restarts."""
         return self._name
-
-    @property
-    def pid(self) -> int:
-        """PID of the current (or last) holder process (0 before the first start)."""
-        proc = self._proc
-        return proc.pid if proc is not None else 0
 
     @property
     def host(self) -> str:
@@ -322,19 +309,13 @@ class HolderProcess:
         return self._workdir / f"{self._name}.log"
 
     @property
-    def paused(self) -> bool:
-        """Whether `pause` stopped the holder."""
-        return self._paused
-
-    @property
     def partitioned(self) -> bool:
         """Whether `partition` cut the holder's link."""
         return self._partitioned
 
     def __repr__(self) -> str:
-        state = "paused" if self._paused else ("running" if self.is_running() else "stopped")
         where = f" netns={self._netns}" if self._netns else ""
-        return f"<HolderProcess {self._name} {self._host}:{self._port} pid={self.pid} {state}{where}>"
+        return f"<HolderProcess {self._name} {self._host}:{self._port} pid={self.pid} {self._state()}{where}>"
 
     def spec(self) -> HolderSpec:
         """The `HolderSpec` of the current start."""
@@ -351,11 +332,6 @@ class HolderProcess:
         return ["ip", "netns", "exec", self._netns, *argv] if self._netns else argv
 
     # -- state ----------------------------------------------------------------------------
-    def is_running(self) -> bool:
-        """Whether the process exists and has not exited (a paused holder counts)."""
-        proc = self._proc
-        return proc is not None and proc.poll() is None
-
     def is_ready(self) -> bool:
         """Running, its service port accepts TCP, and the master lists its segment."""
         proc = self._proc
@@ -363,56 +339,7 @@ class HolderProcess:
             return False
         return port_accepts(self._host, self._port, 0.5) and self._segment in _master_segments(self._master)
 
-    def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
-        """The last ``chars`` characters of the holder's log."""
-        try:
-            return self.log_path.read_bytes()[-chars:].decode("utf-8", "replace")
-        except OSError:
-            return ""
-
     # -- faults ---------------------------------------------------------------------------
-    def pause(self) -> None:
-        """Freeze the holder with SIGSTOP (returns once stopped): its sockets stay open, nothing answers."""
-        with self._lock:
-            self._signal(signal.SIGSTOP)
-            self._paused = True
-            _wait_stopped(self.pid, stopped=True)
-
-    def resume(self) -> None:
-        """Undo `pause` with SIGCONT (returns once it runs again)."""
-        with self._lock:
-            self._signal(signal.SIGCONT)
-            self._paused = False
-            _wait_stopped(self.pid, stopped=False)
-
-    def kill(self) -> None:
-        """SIGKILL the holder and reap it, like a crash: its entries are gone for everyone."""
-        with self._lock:
-            proc = self._proc
-            if proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
-            self._paused = False
-
-    def stop(self) -> None:
-        """Stop gracefully: SIGCONT, SIGTERM, up to 5 s, then SIGKILL; always reaps."""
-        with self._lock:
-            proc = self._proc
-            if proc is not None and proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-                    proc.terminate()
-                try:
-                    proc.wait(timeout=_STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    proc.wait()
-            elif proc is not None:
-                proc.wait()
-            self._paused = False
-
     def restart(self) -> None:
         """Stop the holder if it runs and start a fresh one (same name and address, new ports)."""
         with self._lock:
@@ -475,11 +402,8 @@ class HolderProcess:
         outer, _ = self._need_links("partition" if state == "down" else "heal")
         _run(["ip", "link", "set", outer, state])
 
-    def _signal(self, sig: signal.Signals) -> None:
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            raise ProcessLookupError(f"holder {self._name} is not running")
-        os.kill(proc.pid, sig)
+    def _describe(self) -> str:
+        return f"holder {self._name}"
 
     def _failure(self, what: str) -> str:
         return (
@@ -495,26 +419,12 @@ class HolderProcess:
                 before = _master_segments(self._master)
                 # a namespace of its own has every port free; loopback asks the kernel
                 self._port = random.randrange(20000, 30000) if self._netns else _free_port(self._host)
-                self._starts += 1
                 env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
-                with open(self.log_path, "ab") as log:
-                    log.write(f"=== start {self._starts}: {' '.join(self.command())}\n".encode())
-                    log.flush()
-                    self._proc = subprocess.Popen(
-                        self.command(),
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        cwd=self._workdir,
-                        close_fds=True,
-                    )
-                self._paused = False
+                proc = self._spawn(self.command(), env)
                 self._segment = ""
-                _LIVE_HOLDERS.add(self)
                 if self._wait_ready(deadline, before):
                     return
-                if self._proc.poll() is None or time.monotonic() + 0.1 >= deadline:
+                if proc.poll() is None or time.monotonic() + 0.1 >= deadline:
                     message = self._failure("was not ready in time")
                     self.stop()
                     raise FleetStartError(message)
@@ -538,7 +448,7 @@ class HolderProcess:
                         for address, port in listening
                     )
                     return True
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         return False
 
 
@@ -695,7 +605,7 @@ def running_fleet(
             finally:
                 for holder in started:
                     holder.stop()
-                    _LIVE_HOLDERS.discard(holder)
+                    holder._forget()
     finally:
         if network is not None:
             network.close()
@@ -704,9 +614,7 @@ def running_fleet(
 
 @atexit.register
 def _stop_leftovers() -> None:
-    for holder in list(_LIVE_HOLDERS):
-        with contextlib.suppress(Exception):
-            holder.stop()
+    _process._stop_leftovers()  # the holders first, while their network still exists
     for network in list(_LIVE_NETS):
         with contextlib.suppress(Exception):
             network.close()

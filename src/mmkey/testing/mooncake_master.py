@@ -7,25 +7,21 @@ here imports mooncake at module import time.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import http.client
 import importlib.util
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from mmkey._net import port_accepts
+from mmkey.testing._process import POLL_S, ManagedProcess
 
 __all__ = [
     "HOST",
@@ -41,13 +37,9 @@ __all__ = [
 HOST = "127.0.0.1"
 """The only interface the test master listens on."""
 
-_STOP_GRACE_S = 5.0
-_POLL_S = 0.02
 _PORT_ATTEMPTS = 5
-_LOG_TAIL_CHARS = 4000
 # A proxy configured in the environment must never see requests to the local master.
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_LIVE: weakref.WeakSet[MasterProcess] = weakref.WeakSet()
 
 
 class MasterStartError(RuntimeError):
@@ -174,24 +166,12 @@ def _owns_listener(pid: int, port: int) -> bool:
     return False
 
 
-def _wait_stopped(pid: int, *, stopped: bool, timeout: float = 2.0) -> None:
-    """Wait until /proc shows ``pid`` stopped (or running again); signals land asynchronously."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            text = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return  # no /proc here, or the process is gone: nothing to wait for
-        if (text[text.rindex(")") + 2 : text.rindex(")") + 3] in ("T", "t")) == stopped:
-            return
-        time.sleep(0.001)
-
-
-class MasterProcess:
+class MasterProcess(ManagedProcess):
     """A mutable handle on one local master; ``restart()`` keeps its ports and address.
 
     Create it with `running_master`. ``pid`` is the current process (it changes on restart);
-    ``host``, ``rpc_port``, ``metrics_port`` and ``address`` never change.
+    ``host``, ``rpc_port``, ``metrics_port`` and ``address`` never change. `kill` is a crash:
+    every key the master indexed is gone.
     """
 
     def __init__(
@@ -205,25 +185,15 @@ class MasterProcess:
         extra_args: Sequence[str] = (),
         timeout: float = 15.0,
     ) -> None:
+        super().__init__(workdir=workdir)
         self._binary = binary
         self._host = host
         self._rpc_port = rpc_port
         self._metrics_port = metrics_port
-        self._workdir = workdir
         self._extra_args = tuple(extra_args)
         self._timeout = timeout
-        self._lock = threading.RLock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._starts = 0
-        self._paused = False
-        self._last_pid = 0
 
     # -- identity -------------------------------------------------------------------------
-    @property
-    def pid(self) -> int:
-        """PID of the current (or last) master process."""
-        return self._last_pid
-
     @property
     def rpc_port(self) -> int:
         """The RPC port clients connect to."""
@@ -268,21 +238,10 @@ class MasterProcess:
             *self._extra_args,
         ]
 
-    @property
-    def paused(self) -> bool:
-        """Whether the master is stopped by `pause` (SIGSTOP)."""
-        return self._paused
-
     def __repr__(self) -> str:
-        state = "paused" if self._paused else ("running" if self.is_running() else "stopped")
-        return f"<MasterProcess {self.address} pid={self._last_pid} {state}>"
+        return f"<MasterProcess {self.address} pid={self.pid} {self._state()}>"
 
     # -- state ----------------------------------------------------------------------------
-    def is_running(self) -> bool:
-        """Whether the process exists and has not exited (a paused master counts)."""
-        proc = self._proc  # no lock: must not block while another thread restarts
-        return proc is not None and proc.poll() is None
-
     def health(self, timeout: float = 0.5) -> dict[str, object] | None:
         """The ``/health`` document, or ``None`` if the master does not answer within ``timeout``."""
         return _health(self._metrics_port, timeout, self._host)
@@ -300,58 +259,7 @@ class MasterProcess:
             return False
         return _owns_listener(pid, self._rpc_port) and _owns_listener(pid, self._metrics_port)
 
-    def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
-        """The last ``chars`` characters of the master's log."""
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return ""
-        return data[-chars:].decode("utf-8", "replace")
-
     # -- control --------------------------------------------------------------------------
-    def pause(self) -> None:
-        """Freeze the master with SIGSTOP (returns once it is stopped): it keeps its ports,
-        the kernel still accepts connections, but nothing answers."""
-        with self._lock:
-            self._signal(signal.SIGSTOP)
-            self._paused = True
-            _wait_stopped(self._last_pid, stopped=True)
-
-    def resume(self) -> None:
-        """Undo `pause` with SIGCONT (returns once it runs again)."""
-        with self._lock:
-            self._signal(signal.SIGCONT)
-            self._paused = False
-            _wait_stopped(self._last_pid, stopped=False)
-
-    def kill(self) -> None:
-        """SIGKILL the master and reap it, like a crash: every key it indexed is gone."""
-        with self._lock:
-            proc = self._proc
-            if proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
-            self._paused = False
-
-    def stop(self) -> None:
-        """Stop gracefully: SIGCONT, SIGTERM, up to 5 s, then SIGKILL; always reaps."""
-        with self._lock:
-            proc = self._proc
-            if proc is not None and proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-                    proc.terminate()
-                try:
-                    proc.wait(timeout=_STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    proc.wait()
-            elif proc is not None:
-                proc.wait()
-            self._paused = False
-
     def restart(self, timeout: float | None = None) -> None:
         """Stop the master if it runs, start a fresh one on the same ports, wait until ready."""
         budget = self._timeout if timeout is None else timeout
@@ -369,11 +277,8 @@ class MasterProcess:
                     time.sleep(0.1)
 
     # -- internals ------------------------------------------------------------------------
-    def _signal(self, sig: signal.Signals) -> None:
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            raise ProcessLookupError(f"mooncake_master at {self.address} is not running")
-        os.kill(proc.pid, sig)
+    def _describe(self) -> str:
+        return f"mooncake_master at {self.address}"
 
     def _failure(self, what: str) -> str:
         tail = self.log_tail()
@@ -388,24 +293,7 @@ class MasterProcess:
             self._start_once(time.monotonic() + self._timeout)
 
     def _start_once(self, deadline: float) -> None:
-        self._starts += 1
-        env = dict(os.environ, MC_LOG_LEVEL="ERROR")
-        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            log.write(f"=== start {self._starts}: {' '.join(self.command)}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self._workdir,
-                close_fds=True,
-            )
-        self._proc = proc
-        self._last_pid = proc.pid
-        self._paused = False
-        _LIVE.add(self)
+        proc = self._spawn(self.command, dict(os.environ, MC_LOG_LEVEL="ERROR"))
         while True:
             if proc.poll() is not None:
                 raise _EarlyExit(proc.returncode)
@@ -415,7 +303,7 @@ class MasterProcess:
                 message = self._failure("was not ready in time")
                 self.stop()
                 raise MasterStartError(message)
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
 
 @contextlib.contextmanager
@@ -460,12 +348,5 @@ def running_master(
     finally:
         if handle is not None:
             handle.stop()
-            _LIVE.discard(handle)
+            handle._forget()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-@atexit.register
-def _stop_leftovers() -> None:
-    for handle in list(_LIVE):
-        with contextlib.suppress(Exception):
-            handle.stop()
