@@ -22,8 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +33,7 @@ from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.errors import InvalidKey
+from mmkey.integrations._common import Counters, RateLimitedLog
 from mmkey.integrations._sglang_keys import sglang_digest, sglang_key
 from mmkey.integrations._sglang_pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
 from mmkey.keys import EmbeddingKey
@@ -102,28 +101,6 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> MooncakeConfig:
     return MooncakeConfig.from_env(env, deadline=deadline)
 
 
-class _RateLimitedLog:
-    """Logs each kind of problem at most once per period, with how many were held back."""
-
-    def __init__(self, period: float = _LOG_EVERY) -> None:
-        self._period = period
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, kind: str, message: str, *, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(kind)
-            if last is not None and now - last < self._period:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        more = f" ({held} more like it since the last report)" if held else ""
-        logger.error("mmkey embedding store: %s%s", message, more, exc_info=exc_info)
-
-
 @attrs.define(slots=True)
 class _Transfer:
     """One embedding of a batch: where it is in the batch, its key, and its pool rows."""
@@ -133,17 +110,6 @@ class _Transfer:
     rows: list[torch.Tensor]
     dtype: torch.dtype
     shape: tuple[int, int]
-
-
-class _Counters:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.hits = self.misses = self.corrupt = self.rejected = self.failed = 0
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
 
 
 class MMKeyEmbeddingStore(EmbeddingStore):
@@ -162,8 +128,8 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             raise TypeError(f"config must be a MooncakeConfig, got {type(value).__name__}")
         self._cache = MooncakeCache(config_from_env() if config is None else config)
         self._pools = PoolTable()
-        self._counts = _Counters()
-        self._log = _RateLimitedLog()
+        self._counts = Counters()
+        self._log = RateLimitedLog(logger, logging.ERROR, "mmkey embedding store: %s%s", period=_LOG_EVERY)
 
     @property
     def namespace(self) -> str:
@@ -231,15 +197,15 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         `corrupt` includes entries whose dtype or shape did not fit the pool pages; `skipped`
         counts hashes and buffers refused without asking the store (bad text, unknown memory)."""
         inner = self._cache.stats()
-        c = self._counts
+        c = self._counts.totals()
         return CacheStats(
-            hits=c.hits,
-            misses=c.misses,
+            hits=c.get("hits", 0),
+            misses=c.get("misses", 0),
             inserts=inner.inserts,
-            corrupt=inner.corrupt + c.corrupt,
-            errors=inner.errors + c.failed,
+            corrupt=inner.corrupt + c.get("corrupt", 0),
+            errors=inner.errors + c.get("failed", 0),
             forged=inner.forged,
-            skipped=inner.skipped + c.rejected,
+            skipped=inner.skipped + c.get("rejected", 0),
         )
 
     def close(self) -> None:

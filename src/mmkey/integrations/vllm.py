@@ -46,6 +46,7 @@ from mmkey.cache.mooncake import MooncakeCache
 from mmkey.cache.protocol import EmbeddingCache
 from mmkey.digest import Modality
 from mmkey.integrations._background_saver import BackgroundSaver
+from mmkey.integrations._common import Counters, RateLimitedLog
 from mmkey.integrations._vllm_settings import (
     ConnectorSettings,
     StoreKind,
@@ -194,54 +195,6 @@ class MMKeyECStats(ECConnectorStats):
 # -- shared parts -------------------------------------------------------------------------------
 
 
-class _Counters:
-    """Interval counters behind `get_ec_connector_stats` (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data: dict[str, int] = {}
-        self._total: dict[str, int] = {}
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                if delta:
-                    self._data[name] = self._data.get(name, 0) + delta
-                    self._total[name] = self._total.get(name, 0) + delta
-
-    def take(self) -> dict[str, int]:
-        with self._lock:
-            data, self._data = self._data, {}
-            return data
-
-    def totals(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._total)
-
-
-class _Warnings:
-    """Logs each kind of failure once, then at most once per `_WARN_EVERY_S` with a count."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-
-    def warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(kind)
-            if last is not None and now - last < _WARN_EVERY_S:
-                self._quiet[kind] = self._quiet.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            quiet = self._quiet.pop(kind, 0)
-        more = f" ({quiet} more since the last report)" if quiet else ""
-        logger.warning(
-            "MMKeyECConnector: %s%s; serving misses (the encoder runs)", message, more
-        )
-
-
 _MEMORY_CACHES: dict[tuple[str, int], tuple[MemoryCache, int]] = {}
 _MEMORY_LOCK = threading.Lock()
 
@@ -290,8 +243,13 @@ class MMKeyECConnector(ECConnectorBase):
         assert transfer is not None  # ECConnectorBase refuses a config without one
         self._settings = ConnectorSettings.from_extra_config(transfer.ec_connector_extra_config)
         self._namespace = self._settings.namespace or namespace_from_vllm_config(vllm_config)
-        self._counts = _Counters()
-        self._warnings = _Warnings()
+        self._counts = Counters()
+        self._warn = RateLimitedLog(
+            logger,
+            logging.WARNING,
+            "MMKeyECConnector: %s%s; serving misses (the encoder runs)",
+            period=_WARN_EVERY_S,
+        )
         self._keys: dict[tuple[str, Modality], EmbeddingKey] = {}
         self._closed = False
         self._cache = self._open_cache(role)
@@ -300,7 +258,7 @@ class MMKeyECConnector(ECConnectorBase):
             self._saver = BackgroundSaver(
                 self._cache,
                 self._settings.max_pending_save_bytes,
-                on_failure=lambda message: self._warnings.warn("save", message),
+                on_failure=lambda message: self._warn("save", message),
                 name="mmkey-vllm-saver",
             )
         # scheduler side
@@ -373,7 +331,7 @@ class MMKeyECConnector(ECConnectorBase):
         errors = self._errors() - before
         if errors > 0:
             self._counts.add(store_errors=errors)
-            self._warnings.warn(what, f"the store failed during {what} ({self._cache!r})")
+            self._warn(what, f"the store failed during {what} ({self._cache!r})")
 
     # -- scheduler side -------------------------------------------------------------------------
 
@@ -409,7 +367,7 @@ class MMKeyECConnector(ECConnectorBase):
         except Exception as exc:
             present = [False] * len(keys)
             self._counts.add(store_errors=1)
-            self._warnings.warn("lookup", f"batch_is_exist raised {type(exc).__name__}: {exc}")
+            self._warn("lookup", f"batch_is_exist raised {type(exc).__name__}: {exc}")
         else:
             self._note_store_errors(before, "lookup")
         for (identifier, modality), hit in zip(owners, present):
@@ -547,7 +505,7 @@ class MMKeyECConnector(ECConnectorBase):
                     self._entry_bytes = max(tensor.numel() * tensor.element_size(), 1)
                 if tensor is None or tensor.ndim < 1 or tensor.shape[0] != item.num_embeds:
                     if tensor is not None:
-                        self._warnings.warn(
+                        self._warn(
                             "shape",
                             f"entry for {item.identifier!r} has shape {tuple(tensor.shape)}, "
                             f"expected {item.num_embeds} rows",
@@ -565,7 +523,7 @@ class MMKeyECConnector(ECConnectorBase):
             tensors = self._cache.get_embeddings(keys)
         except Exception as exc:
             self._counts.add(store_errors=1)
-            self._warnings.warn("load", f"get_embeddings raised {type(exc).__name__}: {exc}")
+            self._warn("load", f"get_embeddings raised {type(exc).__name__}: {exc}")
             return [None] * len(keys)
         self._note_store_errors(before, "load")
         return tensors
