@@ -8,14 +8,11 @@ that a failure.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-import pytest
+from _support import MiB, require_stack, wait_until
 
 if TYPE_CHECKING:
     import torch
@@ -23,28 +20,13 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 
 REQUIRE_ENV = "MMKEY_REQUIRE_SGLANG"
-MiB = 1 << 20
 
 
 def require_sglang() -> None:
     """Skip the calling test module when SGLang does not import (fail under MMKEY_REQUIRE_SGLANG=1)."""
-    try:
-        importlib.import_module("sglang.srt.mem_cache.embedding_store")
-    except ImportError as exc:
-        reason = f"SGLang is not importable here ({exc}); run `make test-sglang`"
-        if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
-            pytest.fail(f"{REQUIRE_ENV} is set but {reason}", pytrace=False)
-        pytest.skip(reason, allow_module_level=True)
-
-
-def wait_until(predicate: Callable[[], bool], seconds: float) -> bool:
-    """Poll `predicate` until it holds or `seconds` pass; whether it held."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+    require_stack(
+        "sglang.srt.mem_cache.embedding_store", stack="SGLang", require_env=REQUIRE_ENV, make_target="test-sglang"
+    )
 
 
 @contextlib.contextmanager

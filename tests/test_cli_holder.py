@@ -7,11 +7,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from _support import wait_until
 from mmkey.testing.fleet import _master_segments
 from mmkey.testing.mooncake_master import MasterProcess, _free_port
 
@@ -72,16 +72,6 @@ def test_bad_settings_are_one_clean_error_line(args: tuple[str, ...], fragment: 
     assert fragment in lines[0]
 
 
-def _wait(predicate: object, seconds: float) -> bool:
-    assert callable(predicate)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.mooncake
 def test_entries_outlive_the_writer_while_the_holder_runs(mooncake_master: MasterProcess) -> None:
     from mooncake.store import MooncakeDistributedStore
@@ -97,7 +87,7 @@ def test_entries_outlive_the_writer_while_the_holder_runs(mooncake_master: Maste
         text=True,
     )
     try:
-        assert _wait(lambda: _master_segments(mooncake_master) - before, 20), "no segment mounted"
+        assert wait_until(lambda: _master_segments(mooncake_master) - before, 20), "no segment mounted"
         assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "mooncake_client"
         args = ("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", mooncake_master.address)
         writer = MooncakeDistributedStore()

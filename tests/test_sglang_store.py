@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from _support import local_config
 from sglang_support import MiB, require_sglang, unpinned_controller, wait_until
 
 require_sglang()
@@ -39,16 +40,7 @@ NAMESPACE = "qwen2.5-vl-7b@rev1"
 
 
 def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
-    fields: dict[str, object] = {
-        "master_server_address": master.address,
-        "global_segment_size": 64 * MiB,
-        "local_buffer_size": 16 * MiB,
-        "deadline": DEADLINE,
-        "setup_deadline": 5.0,
-        "retry_after": 0.2,
-    }
-    fields.update(overrides)
-    return MooncakeConfig(**fields)  # type: ignore[arg-type]
+    return local_config(master, **{"deadline": DEADLINE, **overrides})
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _support import MiB, wait_until
 from vllm_support import (
     BOUND,
-    MiB,
     connector,
     consume,
     mooncake_extra,
@@ -29,7 +29,6 @@ from vllm_support import (
     schedule,
     vllm_config,
     vllm_worker_agent,
-    wait_until,
 )
 
 require_vllm()

@@ -16,13 +16,11 @@ scheduler does; the encoder is replaced by the tensors a test passes in.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import pytest
+from _support import MiB, require_stack, wait_until
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM cannot infer a device without one
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
@@ -37,7 +35,6 @@ if TYPE_CHECKING:
     from mmkey.testing.mooncake_master import MasterProcess
 
 REQUIRE_ENV = "MMKEY_REQUIRE_VLLM"
-MiB = 1 << 20
 DEADLINE = 0.4
 BOUND = DEADLINE + 2.5
 """A call may overrun its deadline by scheduling noise on a loaded machine, never by a hang."""
@@ -45,22 +42,9 @@ BOUND = DEADLINE + 2.5
 
 def require_vllm() -> None:
     """Skip the calling test module when vLLM does not import (fail under MMKEY_REQUIRE_VLLM=1)."""
-    try:
-        importlib.import_module("vllm.distributed.ec_transfer.ec_connector.base")
-    except ImportError as exc:
-        reason = f"vLLM is not importable here ({exc}); run `make test-vllm`"
-        if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
-            pytest.fail(f"{REQUIRE_ENV} is set but {reason}", pytrace=False)
-        pytest.skip(reason, allow_module_level=True)
-
-
-def wait_until(predicate: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+    require_stack(
+        "vllm.distributed.ec_transfer.ec_connector.base", stack="vLLM", require_env=REQUIRE_ENV, make_target="test-vllm"
+    )
 
 
 def mooncake_extra(master: MasterProcess, **overrides: Any) -> dict[str, Any]:

@@ -1,0 +1,57 @@
+"""Helpers the test modules share: polling, the guard of a stack's tests, a local store's config."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from mmkey.cache.mooncake_config import MooncakeConfig
+    from mmkey.testing.mooncake_master import MasterProcess
+
+__all__ = ["MiB", "local_config", "require_stack", "wait_until"]
+
+MiB = 1 << 20
+
+
+def wait_until(predicate: Callable[[], object], seconds: float, *, poll: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``seconds`` pass; whether it held in the end."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return bool(predicate())
+
+
+def require_stack(module: str, *, stack: str, require_env: str, make_target: str) -> None:
+    """Skip the calling test module when ``module`` does not import (a failure when the
+    ``require_env`` variable is set, as in CI)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        reason = f"{stack} is not importable here ({exc}); run `make {make_target}`"
+        if os.environ.get(require_env, "") not in ("", "0"):
+            pytest.fail(f"{require_env} is set but {reason}", pytrace=False)
+        pytest.skip(reason, allow_module_level=True)
+
+
+def local_config(master: MasterProcess, **overrides: Any) -> MooncakeConfig:
+    """A `MooncakeConfig` for a store on a test master: a small segment and buffer, a quick
+    setup and retry; ``overrides`` win."""
+    from mmkey.cache.mooncake_config import MooncakeConfig
+
+    fields: dict[str, Any] = {
+        "master_server_address": master.address,
+        "global_segment_size": 64 * MiB,
+        "local_buffer_size": 16 * MiB,
+        "setup_deadline": 5.0,
+        "retry_after": 0.2,
+    }
+    fields.update(overrides)
+    return MooncakeConfig(**fields)
