@@ -18,17 +18,13 @@ Each side's read is checked against its source pool once, outside the timings.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import socket
-import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 
 import torch
+from _common import segment_holder
 
 from mmkey import MooncakeConfig
 from mmkey.testing.mooncake_master import running_master
@@ -37,30 +33,6 @@ MiB = 1 << 20
 TOKENS, DIM, DTYPE = 1024, 3584, torch.bfloat16
 PAGE_TOKENS = (256 << 10) // (DIM * 2)  # SGLang's compute_page_size: 36 tokens per page
 STRIDE = -(-TOKENS // PAGE_TOKENS) * PAGE_TOKENS  # each embedding starts on a page boundary
-
-
-@contextlib.contextmanager
-def segment_holder(master_address: str, size: str) -> Iterator[None]:
-    """A standalone ``mooncake_client`` lending `size` to the store, stopped by PID on exit."""
-    binary = shutil.which("mooncake_client", path=os.path.dirname(sys.executable)) or "mooncake_client"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen(
-        [binary, "--host=127.0.0.1", f"--global_segment_size={size}", "--metadata_server=P2PHANDSHAKE",
-         f"--master_server_address={master_address}", f"--port={port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(2.0)  # it mounts its segment with the master; the warm-up put checks it
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class Side:

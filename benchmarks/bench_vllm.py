@@ -27,15 +27,9 @@ Lookups: best of 3, each round 64 new identifiers; loads: best of 5; saves: best
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,6 +37,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import blake3  # noqa: E402
 import torch  # noqa: E402
+from _common import best, segment_holder  # noqa: E402
 
 from mmkey.testing.mooncake_master import running_master  # noqa: E402
 
@@ -51,41 +46,8 @@ COUNT = 64
 ROWS, HIDDEN = 1024, 3584
 
 
-def best(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def row(name: str, vllm_s: float, mmkey_s: float, note: str = "") -> None:
     print(f"| {name} | {vllm_s * 1e3:.2f} ms | {mmkey_s * 1e3:.2f} ms | {mmkey_s / vllm_s:.2f}x | {note} |")
-
-
-@contextlib.contextmanager
-def segment_holder(master_address: str) -> Iterator[None]:
-    """A standalone ``mooncake_client`` lending 3 GiB to the store, stopped by PID on exit."""
-    binary = shutil.which("mooncake_client", path=os.path.dirname(sys.executable)) or "mooncake_client"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen(
-        [binary, "--host=127.0.0.1", "--global_segment_size=3GB", "--metadata_server=P2PHANDSHAKE",
-         f"--master_server_address={master_address}", f"--port={port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(2.0)  # it mounts its segment with the master
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def identifiers(tag: str) -> list[str]:
@@ -126,7 +88,7 @@ def main() -> None:
         ]
         return Request("bench", [0] * (COUNT * (ROWS + 1) + 2), SamplingParams(max_tokens=1), None, mm_features=features)
 
-    with running_master() as master, segment_holder(master.address):
+    with running_master() as master, segment_holder(master.address, "3GB"):
         config = VllmConfig(
             ec_transfer_config=ECTransferConfig(
                 ec_connector="MMKeyECConnector",
