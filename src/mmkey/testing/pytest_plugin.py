@@ -34,15 +34,19 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _require_master() -> None:
-    from mmkey.testing.mooncake_master import master_unavailable_reason
-
-    reason = master_unavailable_reason()
+def _unless(reason: str | None) -> None:
+    """Skip the test for ``reason`` (a failure when ``MMKEY_REQUIRE_MOONCAKE`` is set)."""
     if reason is None:
         return
     if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
         pytest.fail(f"{REQUIRE_ENV} is set but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def _require_master() -> None:
+    from mmkey.testing.mooncake_master import master_unavailable_reason
+
+    _unless(master_unavailable_reason())
 
 
 @pytest.fixture
@@ -68,12 +72,7 @@ def mooncake_master_session() -> Iterator[MasterProcess]:
 def _require_fleet() -> None:
     from mmkey.testing.fleet import fleet_unavailable_reason
 
-    reason = fleet_unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
-        pytest.fail(f"{REQUIRE_ENV} is set but {reason}", pytrace=False)
-    pytest.skip(reason)
+    _unless(fleet_unavailable_reason())
 
 
 @pytest.fixture
