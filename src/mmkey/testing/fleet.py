@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import http.client
-import ipaddress
 import itertools
 import os
 import random
@@ -40,6 +39,7 @@ from mmkey._net import port_accepts
 from mmkey.holder import HolderSpec, find_holder_binary
 from mmkey.testing import _process
 from mmkey.testing._process import POLL_S, ManagedProcess
+from mmkey.testing._procnet import listening_sockets, socket_inodes
 from mmkey.testing.mooncake_master import (
     HOST,
     INSTALL_HINT,
@@ -114,35 +114,9 @@ def netns_unavailable_reason() -> str | None:
 
 def _listening(pid: int) -> set[tuple[str, int]]:
     """``(address, port)`` of the TCP sockets ``pid`` listens on, read from its own netns."""
-    inodes: dict[str, tuple[str, int]] = {}
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != "0A":  # 0A = LISTEN
-                continue
-            hex_ip, hex_port = fields[1].rsplit(":", 1)
-            if width == 8:
-                address = str(ipaddress.IPv4Address(bytes.fromhex(hex_ip)[::-1]))
-            else:
-                words = bytes.fromhex(hex_ip)
-                raw = b"".join(words[i : i + 4][::-1] for i in range(0, 16, 4))
-                address = str(ipaddress.IPv6Address(raw))
-            inodes[fields[9]] = (address, int(hex_port, 16))
-    found: set[tuple[str, int]] = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return found
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                found.add(inodes[link[8:-1]])
-    return found
+    listening = listening_sockets(f"/proc/{pid}/net") or {}
+    held = socket_inodes(pid) or set()
+    return {listening[inode] for inode in held if inode in listening}
 
 
 def _master_segments(master: MasterProcess, timeout: float = 1.0) -> set[str]:

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from mmkey._net import port_accepts
 from mmkey.testing._process import POLL_S, ManagedProcess
+from mmkey.testing._procnet import listening_sockets, socket_inodes
 
 __all__ = [
     "HOST",
@@ -121,49 +122,20 @@ def _health(metrics_port: int, timeout: float, host: str = HOST) -> dict[str, ob
     return doc if isinstance(doc, dict) else None
 
 
-def _listening_inodes(port: int) -> set[str] | None:
-    """Socket inodes listening on ``port`` (Linux ``/proc``), or ``None`` where unknown."""
-    found: set[str] = set()
-    readable = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        readable = True
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != "0A":  # 0A = LISTEN
-                continue
-            if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                found.add(fields[9])
-    return found if readable else None
-
-
 def _owns_listener(pid: int, port: int) -> bool:
     """Whether ``pid`` holds the socket listening on ``port`` (``True`` where /proc cannot tell).
 
     Guards against a port taken by someone else: that master exits, but for a moment the other
     process answers on the port and would look like ours.
     """
-    inodes = _listening_inodes(port)
-    if inodes is None:
+    listening = listening_sockets()
+    if listening is None:
         return True
+    inodes = {inode for inode, (_, bound) in listening.items() if bound == port}
     if not inodes:
         return False
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError:
-        return True
-    for fd in fds:
-        try:
-            link = os.readlink(os.path.join(fd_dir, fd))
-        except OSError:
-            continue
-        if link.startswith("socket:[") and link[8:-1] in inodes:
-            return True
-    return False
+    held = socket_inodes(pid)
+    return True if held is None else not held.isdisjoint(inodes)
 
 
 class MasterProcess(ManagedProcess):
