@@ -126,7 +126,7 @@ def main() -> None:
             print(f"{count} embeddings of {TOKENS} x {DIM} bf16 ({nbytes / MiB:.0f} MiB), pages of {PAGE_TOKENS} tokens")
             print(f"{'operation (ms; ratio mmkey/sglang)':44} {'sglang':>9} {'mmkey':>9} {'ratio':>7}")
             for op, label in (
-                ("exist", "batch_is_exist, 64 hashes"),
+                ("exist", f"batch_is_exist, {min(count, 64)} hashes"),
                 ("put", f"paged put, {count} x 7 MiB"),
                 ("get", f"paged get, {count} x 7 MiB (mmkey verified)"),
             ):
