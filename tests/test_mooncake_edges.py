@@ -578,3 +578,19 @@ def test_overlapping_calls_into_the_binding_are_safe(
         assert wrong == []
         assert cache.stats().errors == 0
     assert active[1] >= 2, "the binding never saw two calls at once"
+
+
+def test_health_reports_the_breaker_and_skips_are_counted(mooncake_master: MasterProcess) -> None:
+    from mmkey.cache.health import health_of
+
+    with MooncakeCache(config(mooncake_master, retry_after=30.0)) as cache:
+        assert cache.health().breaker_open is False and cache.health().quarantined == ()
+        mooncake_master.kill()
+        assert cache.get_embeddings([key(950)]) == [None]  # a transfer times out
+        assert cache.get_embeddings([key(950)]) == [None]  # the master does not answer: open
+        assert cache.get_embeddings([key(950)]) == [None]  # answered without the store
+        health = health_of(cache)
+        assert health is not None and health.breaker_open
+        stats = cache.stats()
+        assert stats.errors >= 1 and stats.skipped >= 1
+        assert stats.entries is None and stats.bytes_held is None

@@ -64,3 +64,15 @@ def test_distinct_lanes_within_one_round(transport: StoreTransport) -> None:
     lanes = [transport.pick_lane(taken) for _ in range(TRANSFER_LANES)]
     assert len({id(lane) for lane in lanes}) == TRANSFER_LANES
     assert transport.pick_lane(taken) is None, "one transfer per lane in a round"
+
+
+def test_skips_are_logged_at_most_once_per_period(caplog: pytest.LogCaptureFixture) -> None:
+    from mmkey.cache import mooncake
+
+    log = mooncake._SkipLog()
+    with caplog.at_level("WARNING", logger="mmkey.cache.mooncake"):
+        for _ in range(50):
+            log.note("holder quarantined")
+        log.note("every transfer lane stuck")
+    records = [r for r in caplog.records if "without the store" in r.getMessage()]
+    assert len(records) == 1 and "1 holder quarantined" in records[0].getMessage()

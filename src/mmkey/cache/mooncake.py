@@ -340,8 +340,10 @@ class MooncakeCache:
             if grouped is None:
                 return {}
             groups = grouped
-        else:
+        elif self._transport.ready(give_up):  # the breaker, and the master if a call failed
             groups = {_UNKNOWN: list(texts)}
+        else:
+            return {}
         found: dict[str, torch.Tensor] = {}
         too_big: dict[str, list[str]] = {}
         while groups and time.monotonic() < give_up:
