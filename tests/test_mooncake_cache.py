@@ -415,6 +415,9 @@ def test_close_with_a_hung_master_returns_within_the_setup_deadline(
     with pytest.raises(StoreClosed):
         c.get_embeddings([key(13_000)])
     mooncake_master.resume()
+    from mmkey.cache._mooncake_transport import close_abandoned
+
+    assert c._transport.join(40) and close_abandoned() == 1  # before the master stops
 
 
 def test_entries_larger_than_the_staging_buffer_and_its_slots(

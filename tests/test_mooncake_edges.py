@@ -25,6 +25,7 @@ import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
 from mmkey.cache._master_ping import master_answers
+from mmkey.cache._mooncake_transport import close_abandoned
 from mmkey.cache._mooncake_staging import MIN_SLOT, ReadSlots
 from mmkey.testing.mooncake_master import MasterProcess
 
@@ -199,6 +200,8 @@ def test_close_with_a_paused_master_returns_within_the_deadline_without_freezing
         mooncake_master.resume()
     time.sleep(1.0)  # the abandoned store is never closed later behind the caller's back
     assert ticker.longest < DEADLINE + SLACK
+    assert close_abandoned() == 1, "closed only when asked, once the master answers"
+    assert close_abandoned() == 0
 
 
 def test_close_behind_a_stuck_call_abandons_the_store_once_the_call_returns(
@@ -216,6 +219,7 @@ def test_close_behind_a_stuck_call_abandons_the_store_once_the_call_returns(
         mooncake_master.resume()  # the stuck call returns now; the late close must not run
     assert cache._transport.join(40)
     assert ticker.longest < DEADLINE + SLACK
+    assert close_abandoned() == 1
 
 
 def test_healthy_close_freeze_is_bounded(mooncake_master: MasterProcess, ticker: Ticker) -> None:
@@ -400,6 +404,8 @@ def test_calls_racing_close_return_at_once(
         assert returned and returned[0] - closed_at < SLACK, "not a full 5 s deadline"
     finally:
         mooncake_master.resume()
+    assert cache._transport.join(40)
+    assert close_abandoned() == 1
 
 
 # -- one deadline per call, slots that adapt --------------------------------------------

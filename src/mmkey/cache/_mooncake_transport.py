@@ -18,6 +18,7 @@ freezes behind it.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 import time
@@ -38,7 +39,7 @@ from mmkey.errors import StoreClosed, StoreError
 if TYPE_CHECKING:
     from mooncake.store import MooncakeDistributedStore
 
-__all__ = ["Lane", "Pending", "StoreTransport", "TransferFailed"]
+__all__ = ["Lane", "Pending", "StoreTransport", "TransferFailed", "close_abandoned"]
 
 T = TypeVar("T")
 
@@ -62,6 +63,37 @@ def _abandon(*objects: object) -> None:
     for obj in objects:
         if obj is not None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+_ABANDONED: list[tuple[StoreTransport, MooncakeDistributedStore]] = []
+_ABANDONED_LOCK = threading.Lock()
+
+
+def close_abandoned(timeout: float = _PING_S) -> int:
+    """Close the stores left open by `StoreTransport.close` whose lanes have all stopped
+    and whose master answers now; returns how many were closed.
+
+    Each close stops every thread of the process for 1-2 s (Mooncake's close holds the GIL),
+    so this runs only when asked: at interpreter exit, and from test suites that paused a
+    master and want the store closed before they stop it (an abandoned store whose master
+    is gone holds the process's exit for tens of seconds while its threads reconnect).
+    """
+    with _ABANDONED_LOCK:
+        entries = list(_ABANDONED)
+    closed = 0
+    for transport, store in entries:
+        if not transport.join(0) or not transport.master_answers(timeout):
+            continue
+        with _ABANDONED_LOCK:
+            if (transport, store) not in _ABANDONED:
+                continue
+            _ABANDONED.remove((transport, store))
+        store.close()  # its buffers stay alive (abandoned with it): never unregistered
+        closed += 1
+    return closed
+
+
+atexit.register(close_abandoned)
 
 
 @attrs.define(eq=False)
@@ -283,6 +315,8 @@ class StoreTransport:
         else:
             self._on_error()
             _abandon(store, *(lane.staging.detach() for lane in self.lanes))
+            with _ABANDONED_LOCK:
+                _ABANDONED.append((self, store))
 
     def join(self, timeout: float) -> bool:
         """Wait up to `timeout` s for every lane's worker to exit (after `close`); whether all did."""
