@@ -23,17 +23,13 @@ times each operation both ways (best of N) and prints the ratio adapter / raw:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
+from _common import segment_holder
 
 from mmkey import (
     EmbeddingKey,
@@ -82,36 +78,12 @@ def rate_row(name: str, nbytes: int, raw: float, adapter: float) -> None:
     print(f"{name:46} {nbytes / MiB / raw:9.0f} {nbytes / MiB / adapter:9.0f} {raw / adapter:7.2f}x")
 
 
-@contextlib.contextmanager
-def segment_holder(master_address: str) -> Iterator[None]:
-    """A standalone ``mooncake_client`` lending 2 GiB to the store, stopped by PID on exit."""
-    binary = shutil.which("mooncake_client", path=os.path.dirname(sys.executable)) or "mooncake_client"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen(
-        [binary, "--host=127.0.0.1", "--global_segment_size=2GB", "--metadata_server=P2PHANDSHAKE",
-         f"--master_server_address={master_address}", f"--port={port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(2.0)  # it mounts its segment with the master; the first put below checks it
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def main() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from mooncake.store import MooncakeDistributedStore
 
-    with running_master() as master, segment_holder(master.address):
+    with running_master() as master, segment_holder(master.address, "2GB"):
         # both sides are pure clients (no segment of their own), as on a serving node: the
         # entries live in a separate segment-holder process, and every read crosses TCP
         raw = MooncakeDistributedStore()

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from mmkey.cache.mooncake_config import MooncakeConfig
     from mmkey.testing.mooncake_master import MasterProcess
 
-__all__ = ["MiB", "local_config", "require_stack", "wait_until"]
+__all__ = ["MiB", "local_config", "require_stack", "timed", "wait_until"]
 
 MiB = 1 << 20
 
@@ -27,6 +27,13 @@ def wait_until(predicate: Callable[[], object], seconds: float, *, poll: float =
             return True
         time.sleep(poll)
     return bool(predicate())
+
+
+def timed(fn: Callable[[], object]) -> tuple[object, float]:
+    """``fn()``'s result and the seconds it took (for bounds that catch hangs, never speed)."""
+    start = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - start
 
 
 def require_stack(module: str, *, stack: str, require_env: str, make_target: str) -> None:

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ from mmkey import (
 )
 from mmkey.cache.codec import encode_entry
 from mmkey.testing.mooncake_master import MasterProcess
+from _support import local_config, timed, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -41,16 +42,8 @@ def key(i: int, namespace: str = "test-model") -> EmbeddingKey:
 
 
 def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
-    fields: dict[str, object] = {
-        "master_server_address": master.address,
-        "global_segment_size": 256 * MiB,
-        "local_buffer_size": 32 * MiB,
-        "deadline": DEADLINE,
-        "setup_deadline": 5.0,
-        "retry_after": 0.2,
-    }
-    fields.update(overrides)
-    return MooncakeConfig(**fields)  # type: ignore[arg-type]
+    defaults = {"global_segment_size": 256 * MiB, "local_buffer_size": 32 * MiB, "deadline": DEADLINE}
+    return local_config(master, **{**defaults, **overrides})
 
 
 @pytest.fixture
@@ -58,21 +51,6 @@ def cache(mooncake_master_session: MasterProcess) -> Iterator[MooncakeCache]:
     c = MooncakeCache(config(mooncake_master_session))
     yield c
     c.close()
-
-
-def timed(fn: Callable[[], object]) -> tuple[object, float]:
-    start = time.monotonic()
-    result = fn()
-    return result, time.monotonic() - start
-
-
-def wait_until(predicate: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_is_an_embedding_cache(cache: MooncakeCache) -> None:

@@ -28,6 +28,7 @@ from mmkey.cache._master_ping import master_answers
 from mmkey.cache._mooncake_transport import close_abandoned
 from mmkey.cache._mooncake_staging import MIN_SLOT, ReadSlots
 from mmkey.testing.mooncake_master import MasterProcess
+from _support import local_config, timed, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -42,16 +43,8 @@ def key(i: int) -> EmbeddingKey:
 
 
 def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
-    fields: dict[str, object] = {
-        "master_server_address": master.address,
-        "global_segment_size": 64 * MiB,
-        "local_buffer_size": 16 * MiB,
-        "deadline": DEADLINE,
-        "setup_deadline": 2.0,
-        "retry_after": 0.1,
-    }
-    fields.update(overrides)
-    return MooncakeConfig(**fields)  # type: ignore[arg-type]
+    defaults = {"setup_deadline": 2.0, "retry_after": 0.1, "deadline": DEADLINE}
+    return local_config(master, **{**defaults, **overrides})
 
 
 class Ticker:
@@ -89,21 +82,6 @@ def ticker() -> Iterator[Ticker]:
             yield t
     finally:
         faulthandler.cancel_dump_traceback_later()
-
-
-def timed(fn: Callable[[], object]) -> tuple[object, float]:
-    start = time.monotonic()
-    result = fn()
-    return result, time.monotonic() - start
-
-
-def wait_until(predicate: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # -- the liveness probe -------------------------------------------------------------------

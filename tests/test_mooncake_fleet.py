@@ -13,7 +13,7 @@ import asyncio
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ import torch
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.cache.aio import AsyncCache
 from mmkey.testing.fleet import Fleet, HolderProcess, replica_endpoints
+from _support import wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -36,15 +37,6 @@ def key(i: int) -> EmbeddingKey:
 
 def value(i: int) -> torch.Tensor:
     return torch.full((256,), float(i))
-
-
-def wait_until(predicate: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture

@@ -8,8 +8,20 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
-__all__ = ["parse_host_port", "port_accepts", "wait_port_open"]
+__all__ = ["check_address_field", "parse_host_port", "port_accepts", "wait_port_open"]
+
+
+def check_address_field(instance: object, attribute: Any, value: Any) -> None:
+    """An attrs validator: the field holds ``"host:port"`` text (errors name the class and field)."""
+    field = f"{type(instance).__name__}.{attribute.name}"
+    if not isinstance(value, str):
+        raise TypeError(f"{field} must be 'host:port' text, got {value!r}")
+    try:
+        parse_host_port(value)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
 
 
 def parse_host_port(address: str) -> tuple[str, int]:

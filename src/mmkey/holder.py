@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from mmkey._net import parse_host_port
+from mmkey._net import check_address_field
 
 __all__ = ["DEFAULT_HOLDER_PORT", "HOLDER_BINARY", "HolderSpec", "find_holder_binary"]
 
@@ -45,15 +45,6 @@ def find_holder_binary() -> str | None:
             return candidate
     here = shutil.which(HOLDER_BINARY, path=os.path.dirname(sys.executable))
     return here or shutil.which(HOLDER_BINARY)
-
-
-def _address(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"HolderSpec.{attribute.name} must be 'host:port' text, got {value!r}")
-    try:
-        parse_host_port(value)
-    except ValueError as exc:
-        raise ValueError(f"HolderSpec.{attribute.name}: {exc}") from None
 
 
 def _text(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
@@ -94,7 +85,7 @@ class HolderSpec:
     service port and ``http_port``, when set, serves its ``/health`` and ``/metrics``.
     """
 
-    master_server_address: str = attrs.field(validator=_address)
+    master_server_address: str = attrs.field(validator=check_address_field)
     local_hostname: str = attrs.field(default="127.0.0.1", validator=_text)
     global_segment_size: int = attrs.field(default=512 << 20, validator=_segment)
     port: int = attrs.field(default=DEFAULT_HOLDER_PORT, validator=_port)

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from mmkey._net import parse_host_port
+from mmkey._net import check_address_field
 
 __all__ = ["MooncakeConfig", "parse_size"]
 
@@ -59,15 +59,6 @@ def _seconds(_: object, attribute: attrs.Attribute[float], value: Any) -> None:
         raise ValueError(f"MooncakeConfig.{attribute.name} must be finite and > 0, got {value!r}")
 
 
-def _address(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"MooncakeConfig.{attribute.name} must be 'host:port' text, got {value!r}")
-    try:
-        parse_host_port(value)
-    except ValueError as exc:
-        raise ValueError(f"MooncakeConfig.{attribute.name}: {exc}") from None
-
-
 def _text(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"MooncakeConfig.{attribute.name} must be str, got {value!r}")
@@ -106,7 +97,7 @@ class MooncakeConfig:
     nothing).
     """
 
-    master_server_address: str = attrs.field(validator=_address)
+    master_server_address: str = attrs.field(validator=check_address_field)
     local_hostname: str = attrs.field(default="127.0.0.1", validator=[_text, attrs.validators.min_len(1)])
     protocol: str = attrs.field(default="tcp", validator=_protocol)
     device_name: str = attrs.field(default="", validator=_text)
