@@ -123,7 +123,7 @@ def test_port_probes() -> None:
     started = time.monotonic()
     assert not wait_port_open("127.0.0.1", port, 0.3)
     assert time.monotonic() - started < 2.0
-    assert _net.__all__ == ["parse_host_port", "port_accepts", "wait_port_open"]
+    assert _net.__all__ == ["check_address_field", "parse_host_port", "port_accepts", "wait_port_open"]
 
 
 # -- imports stay cheap ------------------------------------------------------------------------
