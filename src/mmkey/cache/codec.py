@@ -41,7 +41,7 @@ import hmac
 import math
 import struct
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
@@ -64,8 +64,10 @@ __all__ = [
     "MAGIC",
     "EntryHeader",
     "decode_entry",
+    "decode_entry_into",
     "encode_entry",
     "encode_entry_into",
+    "entry_header",
     "entry_size",
     "peek_header",
 ]
@@ -240,21 +242,22 @@ def _signer(keyring: EntryKeyring | None) -> EntrySecret | None:
 
 
 def _header(
-    key: bytes, t: torch.Tensor, code: int, payload: int, secret: EntrySecret | None
+    key: bytes, shape: tuple[int, ...], code: int, payload: int, secret: EntrySecret | None
 ) -> bytearray:
     """The header with zero checksum and MAC fields."""
-    size = _header_size(t.dim(), len(key), secret is not None)
+    ndim = len(shape)
+    size = _header_size(ndim, len(key), secret is not None)
     head = bytearray(size)
     flags = 0 if secret is None else FLAG_AUTHENTICATED
     _FIXED.pack_into(
-        head, 0, MAGIC, FORMAT_VERSION, code, t.dim(), flags, len(key), size, 0, payload, b""
+        head, 0, MAGIC, FORMAT_VERSION, code, ndim, flags, len(key), size, 0, payload, b""
     )
     at = _FIXED_SIZE
     if secret is not None:
         head[_ID_AT:_AUTH_END] = secret.key_id
         at = _AUTH_END
-    _SHAPES[t.dim()].pack_into(head, at, *t.shape)
-    at += 8 * t.dim()
+    _SHAPES[ndim].pack_into(head, at, *shape)
+    at += 8 * ndim
     head[at : at + len(key)] = key
     return head
 
@@ -294,15 +297,20 @@ class _Mac:
         return self._outer.digest()
 
 
-def _seal(head: bytearray, payload: Buffer, secret: EntrySecret | None, rt: _Runtime) -> None:
-    """Fill in the checksum and then (when signing) the MAC of `head` followed by `payload`."""
+def _seal(
+    head: bytearray, parts: Sequence[Buffer], secret: EntrySecret | None, rt: _Runtime
+) -> None:
+    """Fill in the checksum and then (when signing) the MAC of `head` followed by the
+    payload, which is `parts` joined."""
     view = memoryview(head)
     checksum = _checksum_hasher(view, secret is not None, rt)
-    checksum.update(payload)
+    for part in parts:
+        checksum.update(part)
     view[_DIGEST_AT:_FIXED_SIZE] = checksum.digest()
     if secret is not None:
-        mac = _Mac(secret, view, memoryview(payload).nbytes)
-        mac.update(payload)
+        mac = _Mac(secret, view, sum(memoryview(part).nbytes for part in parts))
+        for part in parts:
+            mac.update(part)
         view[_MAC_AT:_ID_AT] = mac.digest()
 
 
@@ -329,9 +337,9 @@ def encode_entry(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None
     secret = _signer(keyring)
     t, code = _plain_cpu(tensor, rt)
     nbytes = t.numel() * t.element_size()
-    head = _header(raw_key, t, code, nbytes, secret)
+    head = _header(raw_key, tuple(t.shape), code, nbytes, secret)
     payload = rt.memory_view(t.data_ptr(), nbytes, _PyBUF_READ) if nbytes else b""
-    _seal(head, payload, secret, rt)
+    _seal(head, (payload,), secret, rt)
     return b"".join((head, payload))
 
 
@@ -349,7 +357,7 @@ def encode_entry_into(
     secret = _signer(keyring)
     t, code = _plain_cpu(tensor, rt)
     nbytes = t.numel() * t.element_size()
-    head = _header(raw_key, t, code, nbytes, secret)
+    head = _header(raw_key, tuple(t.shape), code, nbytes, secret)
     out = _byte_view(buf)
     total = len(head) + nbytes
     if out.readonly:
@@ -361,9 +369,34 @@ def encode_entry_into(
 
         target = torch.frombuffer(out, dtype=torch.uint8, count=nbytes, offset=len(head))
         target.copy_(t.reshape(-1).view(torch.uint8))
-    _seal(head, out[len(head) : total], secret, rt)
+    _seal(head, (out[len(head) : total],), secret, rt)
     out[: len(head)] = head
     return total
+
+
+def entry_header(
+    key: str, payload: torch.Tensor | Sequence[torch.Tensor], *, keyring: EntryKeyring | None = None
+) -> bytes:
+    """The header of the entry whose payload lies in `payload`: one tensor, or several
+    (e.g. pages of a pool) that make the embedding when concatenated along the first
+    dimension, each a contiguous CPU tensor, none copied.
+
+    The header followed by the tensors' bytes, in order, is the entry `encode_entry` makes
+    of their concatenation, checksum and (with a `keyring`) MAC included: a store can write
+    the header and the tensors' memory as one object without joining them first. The
+    tensors must not change until that write is done, or the entry fails to verify.
+    """
+    rt = _rt()
+    raw_key = _key_bytes(key)
+    secret = _signer(keyring)
+    runs = _runs(payload, rt, "entry_header", "payload")
+    nbytes = [t.numel() * t.element_size() for t in runs.tensors]
+    head = _header(raw_key, runs.shape, rt.code_of[runs.dtype], sum(nbytes), secret)
+    parts = [
+        rt.memory_view(t.data_ptr(), n, _PyBUF_READ) for t, n in zip(runs.tensors, nbytes) if n
+    ]
+    _seal(head, parts, secret, rt)
+    return bytes(head)
 
 
 def _byte_view(data: object) -> memoryview:
@@ -473,19 +506,7 @@ def decode_entry(
         )
     import torch
 
-    secret = None
-    if keyring is not None:
-        _signer(keyring)  # the type check
-        key_id = view[_ID_AT:_AUTH_END] if authenticated else None
-        secret = None if key_id is None else keyring.secret_for(key_id)
-        if secret is None and (authenticated or not keyring.accept_unauthenticated):
-            _refuse(view, key, rt, key_id, keyring)
-    if secret is None:
-        verifier = _checksum_hasher(view[:head], authenticated, rt)
-        expected = view[_DIGEST_AT:_FIXED_SIZE]
-    else:
-        verifier = _Mac(secret, view[:head], payload)
-        expected = view[_MAC_AT:_ID_AT]
+    verifier, expected, secret = _verifier(view, head, payload, authenticated, key, keyring, rt)
     if copy and 0 < payload <= _FUSED_MAX:
         # Copy, then hash the copy while it is still in cache: one pass over the payload,
         # and the checksum (or MAC) covers exactly the bytes returned. Dropped unless it matches.
@@ -506,6 +527,127 @@ def decode_entry(
     tensor = torch.frombuffer(view, dtype=dtype, count=payload // dtype.itemsize, offset=head)
     tensor = tensor.view(shape)
     return tensor.clone() if copy else tensor
+
+
+def _verifier(
+    view: memoryview,
+    head: int,
+    payload: int,
+    authenticated: bool,
+    key: str,
+    keyring: EntryKeyring | None,
+    rt: _Runtime,
+) -> tuple[Any, memoryview, EntrySecret | None]:
+    """The hasher to feed the payload to, the tag it must produce and the secret (None
+    for the checksum); raises when `keyring` must refuse the entry outright."""
+    secret = None
+    if keyring is not None:
+        _signer(keyring)  # the type check
+        key_id = view[_ID_AT:_AUTH_END] if authenticated else None
+        secret = None if key_id is None else keyring.secret_for(key_id)
+        if secret is None and (authenticated or not keyring.accept_unauthenticated):
+            _refuse(view, key, rt, key_id, keyring)
+    if secret is None:
+        return _checksum_hasher(view[:head], authenticated, rt), view[_DIGEST_AT:_FIXED_SIZE], None
+    return _Mac(secret, view[:head], payload), view[_MAC_AT:_ID_AT], secret
+
+
+def decode_entry_into(
+    key: str,
+    data: Buffer,
+    out: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    keyring: EntryKeyring | None = None,
+) -> None:
+    """Verify entry `data` against key text `key` as `decode_entry` does, then copy its
+    payload into `out`: one tensor of the entry's dtype and shape, or several (e.g. pages
+    of a pool) whose concatenation along the first dimension has it.
+
+    Every target must be a contiguous CPU tensor. Raises `CorruptEntry` (or `ForgedEntry`)
+    like `decode_entry`, also when the entry holds another dtype or shape than the targets
+    take; the targets are written only once the entry has verified. `data` must not change
+    while this runs.
+    """
+    rt = _runtime or _rt()
+    raw_key = _key_bytes(key)
+    targets = _runs(out, rt, "decode_entry_into", "targets")
+    view = _byte_view(data)
+    dtype, shape, head, payload, stored_key, authenticated = _parse(view, rt)
+    if stored_key != raw_key:
+        raise CorruptEntry(
+            f"entry was written under key {stored_key[:120].decode('latin-1')!r}, "
+            f"read as {key[:120]!r}"
+        )
+    if dtype != targets.dtype or shape != targets.shape:
+        raise CorruptEntry(
+            f"entry for key {key[:120]!r} holds {dtype} {shape}, the targets take "
+            f"{targets.dtype} {targets.shape}"
+        )
+    verifier, expected, secret = _verifier(view, head, payload, authenticated, key, keyring, rt)
+    verifier.update(view[head:])
+    _verify(verifier.digest(), expected, view, authenticated, key, rt, secret)
+    if not payload:
+        return
+    import torch
+
+    source = torch.frombuffer(view, dtype=torch.uint8, count=payload, offset=head)
+    at = 0
+    for run in targets.tensors:
+        size = run.numel() * run.element_size()
+        if size:
+            run.view(-1).view(torch.uint8).copy_(source[at : at + size])
+        at += size
+
+
+class _Runs(NamedTuple):
+    """Tensors that together hold one entry's payload, in order."""
+
+    tensors: list[torch.Tensor]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    """The shape of their concatenation along the first dimension."""
+
+
+def _runs(value: object, rt: _Runtime, function: str, what: str) -> _Runs:
+    """`value` (a tensor, or a non-empty sequence of tensors) checked as the contiguous CPU
+    runs of one entry's payload."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        items: list[object] = [value]
+    elif isinstance(value, (list, tuple)) and value:
+        items = list(value)
+    else:
+        raise TypeError(
+            f"{function}() takes its {what} as a torch.Tensor or a non-empty list of them, "
+            f"got {type(value).__name__}"
+        )
+    tensors: list[torch.Tensor] = []
+    for item in items:
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"{function}() {what} must be torch.Tensor, got {type(item).__name__}")
+        if item.device.type != "cpu" or not item.is_contiguous() or item.is_conj() or item.is_neg():
+            raise ValueError(
+                f"{function}() {what} must be contiguous CPU tensors without conj/neg bits "
+                f"(got {'a non-contiguous' if not item.is_contiguous() else 'a'} tensor on "
+                f"{item.device}); pass rows of a contiguous host buffer"
+            )
+        tensors.append(item)
+    first = tensors[0]
+    if first.dtype not in rt.code_of:
+        raise TypeError(f"cannot store dtype {first.dtype}; convert it to a standard dtype first")
+    if first.dim() > MAX_NDIM:
+        raise ValueError(f"cannot store a tensor with {first.dim()} dims (at most {MAX_NDIM})")
+    if len(tensors) == 1:
+        return _Runs(tensors, first.dtype, tuple(first.shape))
+    rest = tuple(first.shape[1:])
+    for t in tensors:
+        if t.dtype != first.dtype or t.dim() == 0 or tuple(t.shape[1:]) != rest:
+            raise ValueError(
+                f"{function}() {what} must share one dtype and all but their first dimension: "
+                f"got {first.dtype} {tuple(first.shape)} and {t.dtype} {tuple(t.shape)}"
+            )
+    return _Runs(tensors, first.dtype, (sum(t.shape[0] for t in tensors), *rest))
 
 
 def _checksum_holds(view: memoryview, authenticated: bool, rt: _Runtime) -> bool:
