@@ -10,6 +10,11 @@
 # - A value whose items are wider than one byte (a float32 array) stores item-count bytes;
 #   hence values are typed as bytes, bytearray or memoryview, not any buffer.
 # - get/get_batch return b"" both for a missing key and on error; get_batch([]) returns [b""].
+# - The multi-buffer calls trust every (pointer, size) pair: a size past the end of the memory
+#   behind its pointer is read or written anyway (a too-long size list corrupted the heap).
+# - A read stuck on a hung holder writes into its buffers whenever the holder answers, also after
+#   the caller stopped waiting (tests/test_mooncake_fleet.py): never reuse a buffer a pending
+#   read targets.
 
 from collections.abc import Sequence
 from typing import Any, overload
@@ -176,3 +181,22 @@ class MooncakeDistributedStore:
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
     ) -> list[int]:
         """Bytes read or a negative code per key. De-duplicate keys first."""
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: ReplicateConfig = ...,
+    ) -> list[int]:
+        """One code per key; each value is its buffers joined in order (an existing key: 0, kept)."""
+
+    def batch_get_into_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> list[int]:
+        """Per key: its size when the sizes sum to it exactly (scattered in order), -600 if they
+        sum to less, -800 if to more (no holder fault), -704 not found."""
