@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from mmkey.cache.mooncake_config import MooncakeConfig
     from mmkey.testing.mooncake_master import MasterProcess
 
-__all__ = ["MiB", "local_config", "require_stack", "timed", "wait_until"]
+__all__ = ["MiB", "count_multi_buffer_puts", "local_config", "require_stack", "timed", "wait_until"]
 
 MiB = 1 << 20
 
@@ -62,3 +62,20 @@ def local_config(master: MasterProcess, **overrides: Any) -> MooncakeConfig:
     }
     fields.update(overrides)
     return MooncakeConfig(**fields)
+
+
+def count_multi_buffer_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, stores made by `MooncakeCache` are the real binding's class with its
+    ``batch_put_from_multi_buffers`` calls recorded: the list gets each call's key count."""
+    import mooncake.store
+
+    calls: list[int] = []
+    real = mooncake.store.MooncakeDistributedStore
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def batch_put_from_multi_buffers(self, keys: list[str], *args: Any, **kwargs: Any) -> Any:
+            calls.append(len(keys))
+            return super().batch_put_from_multi_buffers(keys, *args, **kwargs)
+
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", Counting)
+    return calls

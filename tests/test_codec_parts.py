@@ -470,13 +470,6 @@ def layouts_other_than_strided() -> list[object]:
     return made
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="codec._runs does not check the layout: sparse CSR and mkldnn tensors raise "
-    "RuntimeError, sparse COO a ValueError calling it non-contiguous; decode_entry_into writes "
-    "the targets before an mkldnn one",
-    raises=(RuntimeError, ValueError),
-)
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("make", layouts_other_than_strided())
 def test_tensors_of_another_layout_are_type_errors_and_write_nothing(

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from _support import local_config
+from _support import count_multi_buffer_puts, local_config
 from sglang_support import MiB, require_sglang, unpinned_controller, wait_until
 
 require_sglang()
@@ -178,6 +178,41 @@ def test_paged_round_trip_through_sglang_controllers(make_store: Callable[..., M
             assert g is not None and torch.equal(g, t)
     stats = reader_store.stats()
     assert (stats.hits, stats.misses, stats.corrupt) == (2, 1, 0)
+
+
+def test_puts_go_straight_from_the_pool_pages_and_existing_entries_are_replaced(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    puts = count_multi_buffer_puts(monkeypatch)
+    writer_store, reader_store = make_store(), make_store()
+    image = SGLangModality.IMAGE
+    with unpinned_controller(writer_store, DIMS, DTYPE) as writer, unpinned_controller(
+        reader_store, DIMS, DTYPE
+    ) as reader:
+        pool = writer.vision_pool
+        region = writer_store.cache._transport.region_of(pool.tensor.data_ptr(), 1)
+        assert region is not None and region.tensor is pool.tensor  # registered with Mooncake
+        expected = {str(700 + i): embedding(2 * pool.page_size + 3, 64, 700 + i) for i in range(3)}
+        for h, t in expected.items():
+            fill(writer, h, t, image)
+        publish(writer, list(expected), image)
+        assert puts == [3]  # header and pool pages in one multi-buffer put: no staging copy
+        got = fetch(reader, list(expected), [t.shape[0] for t in expected.values()], image)
+        assert all(g is not None and torch.equal(g, t) for g, t in zip(got, expected.values()))
+        # an entry that exists is replaced through staging (a multi-buffer put keeps it)
+        h = next(iter(expected))
+        with writer.lock:
+            pool.evictable.remove(h)
+            pool.allocator.free(writer.entries.pop(h).page_runs)
+        newer = embedding(40, 64, 799)
+        fill(writer, h, newer, image)
+        publish(writer, [h], image)
+        assert puts == [3]
+        with reader.lock:
+            reader.vision_pool.evictable.remove(h)
+            reader.vision_pool.allocator.free(reader.entries.pop(h).page_runs)
+        got_again = fetch(reader, [h], [40], image)[0]
+        assert got_again is not None and torch.equal(got_again, newer)
 
 
 def test_audio_pool_round_trip_and_exists_in_any_pool(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:

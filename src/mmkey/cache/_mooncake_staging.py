@@ -69,10 +69,11 @@ class Staging:
     the buffer meanwhile. Registration and unregistration run on the store's worker.
     """
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, slots: ReadSlots | None = None) -> None:
         self.nbytes = nbytes
         self.lease = threading.Lock()
-        self.slots = ReadSlots(nbytes)
+        self.slots = ReadSlots(nbytes) if slots is None else slots
+        """The read slot size; lanes of one store share it (it is about the entries)."""
         self._tensor: torch.Tensor | None = None
         self._view: memoryview | None = None
         self.ptr = 0

@@ -30,16 +30,17 @@ import attrs
 
 from mmkey._net import parse_host_port
 from mmkey.cache._master_ping import master_answers
-from mmkey.cache._mooncake_staging import Staging
+from mmkey.cache._mooncake_staging import ReadSlots, Staging
 from mmkey.cache._quarantine import Quarantine
 from mmkey.cache._runner import Breaker, CallTimeout, DeadlineRunner
 from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.errors import StoreClosed, StoreError
 
 if TYPE_CHECKING:
+    import torch
     from mooncake.store import MooncakeDistributedStore
 
-__all__ = ["Lane", "Pending", "StoreTransport", "TransferFailed", "close_abandoned"]
+__all__ = ["Lane", "Pending", "Region", "StoreTransport", "TransferFailed", "close_abandoned"]
 
 T = TypeVar("T")
 
@@ -104,6 +105,20 @@ class Lane:
     staging: Staging
 
 
+@attrs.frozen(eq=False)
+class Region:
+    """Host memory of the caller's registered with the store (e.g. an embedding pool);
+    holding the tensor keeps the memory mapped while a transfer may still touch it."""
+
+    tensor: torch.Tensor
+    start: int
+    nbytes: int
+
+    def holds(self, ptr: int, size: int) -> bool:
+        """Whether ``[ptr, ptr + size)`` lies inside this region."""
+        return self.start <= ptr and ptr + size <= self.start + self.nbytes
+
+
 @attrs.frozen
 class Pending(Generic[T]):
     """A transfer submitted to a lane; wait for it with `StoreTransport.finish`."""
@@ -135,17 +150,50 @@ class StoreTransport:
         self._host, self._port = parse_host_port(config.master_server_address)
         self._meta = DeadlineRunner("mmkey-mooncake-meta")
         staging_bytes = min(config.local_buffer_size, MAX_STAGING)
+        slots = ReadSlots(staging_bytes)  # shared: what one lane learns of entry sizes, all use
         self.lanes = tuple(
-            Lane(DeadlineRunner(f"mmkey-mooncake-transfer-{i}"), Staging(staging_bytes))
+            Lane(DeadlineRunner(f"mmkey-mooncake-transfer-{i}"), Staging(staging_bytes, slots))
             for i in range(TRANSFER_LANES)
         )
         self._prober = DeadlineRunner("mmkey-mooncake-probe")
         self.breaker = Breaker(config.retry_after)
         self.quarantine = Quarantine(config.retry_after)
         self._store: MooncakeDistributedStore | None = None  # set on the metadata lane only
+        self._regions: list[Region] = []  # registered at set-up, and then as they come
+        self._registered: set[int] = set()  # start addresses registered (metadata lane only)
         self._closed = False
         self._suspect = False  # a call failed: the master must answer before the next one
         self._lock = threading.Lock()
+
+    def register_memory(self, tensor: torch.Tensor) -> Region:
+        """Record `tensor`'s memory for transfers straight from and to it, and register it
+        with the store: now (on the metadata lane, not waited for) if the store is set up,
+        else when it is. Registered memory stays referenced until the store is closed."""
+        region = Region(tensor, tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        with self._lock:
+            for other in self._regions:
+                if region.start < other.start + other.nbytes and other.start < region.start + region.nbytes:
+                    raise ValueError("this memory overlaps memory already registered with the store")
+            self._regions.append(region)
+        self.background(self.register_regions)
+        return region
+
+    def region_of(self, ptr: int, size: int) -> Region | None:
+        """The recorded region that holds ``[ptr, ptr + size)``, if any."""
+        for region in self._regions:
+            if region.holds(ptr, size):
+                return region
+        return None
+
+    def register_regions(self, store: MooncakeDistributedStore) -> bool:
+        """Register every recorded region not registered yet (run it on the metadata lane);
+        whether all are registered now."""
+        for region in list(self._regions):
+            if region.start not in self._registered:
+                if store.register_buffer(region.start, region.nbytes) != 0:
+                    return False
+                self._registered.add(region.start)
+        return True
 
     def is_connected(self) -> bool:
         """Whether the store is set up and the last call to the master succeeded."""
@@ -311,10 +359,14 @@ class StoreTransport:
         if stopped and left > 0 and self.master_answers(min(left, _PING_S)):
             for lane in self.lanes:
                 lane.staging.unregister(store)
+            for start in self._registered:
+                store.unregister_buffer(start)
+            self._registered.clear()
             store.close()
         else:
             self._on_error()
-            _abandon(store, *(lane.staging.detach() for lane in self.lanes))
+            regions = tuple(region.tensor for region in self._regions)
+            _abandon(store, *(lane.staging.detach() for lane in self.lanes), *regions)
             with _ABANDONED_LOCK:
                 _ABANDONED.append((self, store))
 
@@ -351,6 +403,10 @@ class StoreTransport:
         store = self.store_class()
         if store.setup(*self._config.setup_args(), tenant_id=self._config.tenant_id) != 0:
             store.close()  # measured safe and quick on a store whose setup failed
+            return False
+        if not self.register_regions(store):
+            store.close()
+            self._registered.clear()
             return False
         self._store = store
         return True

@@ -599,6 +599,13 @@ def decode_entry_into(
         at += size
 
 
+def payload_runs(value: object, function: str, what: str) -> list[torch.Tensor]:
+    """`value` checked as the payload runs of one entry (a tensor, or a non-empty list of
+    contiguous CPU tensors of one dtype and trailing shape), as a list; the errors name
+    `function` and `what`. For the caches that take payloads or targets in runs."""
+    return _runs(value, _rt(), function, what).tensors
+
+
 class _Runs(NamedTuple):
     """Tensors that together hold one entry's payload, in order."""
 
@@ -626,6 +633,11 @@ def _runs(value: object, rt: _Runtime, function: str, what: str) -> _Runs:
     for item in items:
         if not isinstance(item, torch.Tensor):
             raise TypeError(f"{function}() {what} must be torch.Tensor, got {type(item).__name__}")
+        if item.layout != torch.strided:
+            raise TypeError(
+                f"{function}() {what} must be dense tensors, got layout {item.layout}; "
+                "call .to_dense() first"
+            )
         if item.device.type != "cpu" or not item.is_contiguous() or item.is_conj() or item.is_neg():
             raise ValueError(
                 f"{function}() {what} must be contiguous CPU tensors without conj/neg bits "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import deque
 import logging
 import threading
 import time
@@ -29,7 +30,14 @@ from mmkey.cache._mooncake_transport import Lane, Pending, StoreTransport, Trans
 from mmkey.cache._runner import CallTimeout
 from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.cache.health import CacheHealth
-from mmkey.cache.codec import decode_entry, encode_entry_into, entry_size
+from mmkey.cache.codec import (
+    decode_entry,
+    decode_entry_into,
+    encode_entry_into,
+    entry_header,
+    entry_size,
+    payload_runs,
+)
 from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
 from mmkey.errors import CorruptEntry, ForgedEntry, StoreClosed, StoreError
@@ -46,6 +54,8 @@ _RPC_FAILURES = frozenset({-900, -901})
 _BUFFER_TOO_SMALL = -600
 _TRANSFER_FAILURES = range(-899, -799)
 """Codes of a transfer that reached the master but not the holder (TRANSFER_FAIL, -800...)."""
+_Sink = Callable[[str, memoryview, bool], None]
+"""Takes one entry read: its key text, its bytes, and whether it may keep (alias) them."""
 _UNKNOWN = ""
 """The holder group of keys read before any failure, without looking their holders up."""
 _GROUPED_S = 60.0
@@ -87,6 +97,43 @@ def _memory_endpoints(replicas: Sequence[ReplicaDescriptor]) -> list[str]:
         with contextlib.suppress(Exception):  # a replica of another kind has no memory side
             found.append(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
     return found
+
+
+_PUT_CHUNK = 64 << 20
+"""Payload bytes sealed and sent per multi-buffer put."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """`payloads` in runs of at most `_PUT_CHUNK` bytes (or one payload)."""
+    chunk: dict[str, list[torch.Tensor]] = {}
+    total = 0
+    for text, runs in payloads.items():
+        size = sum(_nbytes(t) for t in runs)
+        if chunk and total + size > _PUT_CHUNK:
+            yield chunk
+            chunk, total = {}, 0
+        chunk[text] = runs
+        total += size
+    if chunk:
+        yield chunk
+
+
+def _target_runs(
+    values: object, count: int, what: str = "targets"
+) -> list[list[torch.Tensor]]:
+    """One list of payload runs per key (see `read_into`), checked before anything moves."""
+    function = "read_into" if what == "targets" else "insert_from"
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(
+            f"{function}() takes a list of {what} (one per key), got {type(values).__name__}"
+        )
+    if len(values) != count:
+        raise ValueError(f"{function}() got {count} keys and {len(values)} {what}")
+    return [payload_runs(value, function, what) for value in values]
 
 
 def _read_from(replicas: Sequence[ReplicaDescriptor]) -> str | None:
@@ -239,7 +286,9 @@ class MooncakeCache:
         """
         texts = self._texts(keys, "get_embeddings")
         unique = list(dict.fromkeys(texts))
-        found = self._read(unique, self._give_up()) if unique else {}
+        found: dict[str, torch.Tensor] = {}
+        if unique:
+            self._read(unique, self._give_up(), functools.partial(self._decode_into, found))
         result: list[torch.Tensor | None] = []
         handed: set[str] = set()
         for text in texts:
@@ -264,6 +313,90 @@ class MooncakeCache:
         texts, tensors = insert_args(keys, embeddings)
         latest = dict(zip(texts, tensors))
         stored = self._write(list(latest), list(latest.values()), self._give_up()) if latest else {}
+        self._counts.add(inserts=sum(stored.values()))
+        return [stored.get(text, False) for text in texts]
+
+    def register_memory(self, tensor: torch.Tensor) -> None:
+        """Register a contiguous host tensor (e.g. an embedding pool) with the store, so that
+        `insert_from` sends entries straight from it. Registered again whenever the store
+        is set up; the tensor is kept referenced until `close`. Raises `TypeError` for a
+        tensor that is not contiguous CPU memory, `ValueError` for memory that overlaps
+        memory registered before."""
+        import torch
+
+        self._check_open()
+        value: object = tensor
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"register_memory() takes a torch.Tensor, got {type(value).__name__}")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
+            raise TypeError(
+                "register_memory() takes a non-empty contiguous CPU tensor, got shape "
+                f"{tuple(tensor.shape)} on {tensor.device}"
+            )
+        self._transport.register_memory(tensor)
+
+    def read_into(
+        self,
+        keys: Sequence[CacheKey],
+        targets: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+    ) -> list[bool]:
+        """Read each key's verified embedding into its target; whether each landed.
+
+        A target is a tensor of the entry's dtype and shape, or a list of tensors (e.g.
+        pages of a pool) whose concatenation along the first dimension is; contiguous CPU
+        memory, written only with an entry that verified (a miss, a corrupt or forged entry,
+        one of another dtype or shape, or a fault leaves it as it was). Entries move through
+        this cache's own staging buffers, never straight into the targets: a transfer the
+        deadline gave up on can still land much later (Mooncake cannot cancel one), and it
+        must not land in memory the caller has since reused.
+        """
+        texts = self._texts(keys, "read_into")
+        plans = _target_runs(targets, len(texts))
+        landed: set[int] = set()
+        by_text: dict[str, list[int]] = {}  # a key given twice fills both targets
+        for i, text in enumerate(texts):
+            by_text.setdefault(text, []).append(i)
+
+        def sink(text: str, raw: memoryview, owned: bool) -> None:
+            refused: CorruptEntry | None = None
+            for i in by_text[text]:
+                try:
+                    decode_entry_into(text, raw, plans[i], keyring=self._keyring)
+                except CorruptEntry as exc:  # ForgedEntry included
+                    refused = exc
+                else:
+                    landed.add(i)
+            if refused is not None:  # counted once per entry read
+                self._counts.add(**{"forged" if isinstance(refused, ForgedEntry) else "corrupt": 1})
+
+        if by_text:
+            self._read(list(by_text), self._give_up(), sink)
+        result = [i in landed for i in range(len(texts))]
+        hits = sum(result)
+        self._counts.add(hits=hits, misses=len(result) - hits)
+        return result
+
+    def insert_from(
+        self,
+        keys: Sequence[CacheKey],
+        payloads: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+    ) -> list[bool]:
+        """Store each payload under its key, replacing what was there; whether each is stored.
+
+        A payload is one tensor, or a list of tensors (e.g. pages of a pool) that make the
+        embedding when concatenated along the first dimension; contiguous CPU memory. When
+        every tensor of a payload lies in memory given to `register_memory` and its key is
+        not in the store yet, the entry goes to the store straight from that memory (its
+        header from this cache's staging buffer, in one multi-buffer put); otherwise it is
+        joined into the staging buffer first. The payload must not change until this
+        returns; if it does, the stored entry fails its checksum (a miss, never a wrong
+        embedding). A key given twice in one batch stores its last payload.
+        """
+        self._check_open()
+        texts = key_texts(keys, "insert_from")
+        plans = _target_runs(payloads, len(texts), what="payloads")
+        latest = dict(zip(texts, plans))
+        stored = self._write_from(latest, self._give_up()) if latest else {}
         self._counts.add(inserts=sum(stored.values()))
         return [stored.get(text, False) for text in texts]
 
@@ -321,77 +454,93 @@ class MooncakeCache:
         self._counts.skip()
         self._skips.note("master unreachable (breaker open)")
 
-    def _read(self, texts: list[str], give_up: float) -> dict[str, torch.Tensor]:
-        """Verified tensors of the keys found, all within one deadline.
+    def _read(self, texts: list[str], give_up: float, sink: _Sink) -> None:
+        """Hand `sink` each entry found, all within one deadline.
 
         While every holder is healthy, keys go to the store in one transfer per staging
         buffer (holders unknown). Once a transfer failed, and while any holder is quarantined
         or for `_GROUPED_S` seconds after the last failure, the master's replica list first
         says which holder each read goes to (Mooncake reads the first listed replica): keys
         absent from it are misses without a transfer, keys bound for a quarantined holder are
-        misses at once, and the rest are read per holder, in parallel on transfer lanes of
-        their own. A lane only moves entries into its staging buffer; the caller's thread
-        decodes them from there (allocating where the caller's tensors live), holding the
-        lane's lease meanwhile.
+        misses at once, and the rest are read per holder. Each holder has one transfer under
+        way at a time, as large as a staging buffer allows, on a lane of its own, so holders
+        move in parallel. The caller's thread verifies each transfer's entries (holding the
+        lane's lease; results land where the caller lives) before that holder's next
+        transfer: measured on loopback, smaller transfers overlapped with verification, and
+        concurrent transfers from one holder, were both slower (each call costs milliseconds,
+        and verification competes with the transfer for the same cores).
         """
         quarantine = self._transport.quarantine
         if quarantine or time.monotonic() < self._grouped_until:
             grouped = self._group_by_holder(texts, give_up)
             if grouped is None:
-                return {}
+                return
             groups = grouped
         elif self._transport.ready(give_up):  # the breaker, and the master if a call failed
             groups = {_UNKNOWN: list(texts)}
         else:
-            return {}
-        found: dict[str, torch.Tensor] = {}
+            return
         too_big: dict[str, list[str]] = {}
-        while groups and time.monotonic() < give_up:
-            taken: set[int] = set()
-            batch: list[tuple[str, list[str], int, Pending[tuple[memoryview, list[int]]]]] = []
-            for endpoint, pending in list(groups.items()):
+        taken: set[int] = set()
+        moving: set[str] = set()  # holders with a transfer under way: one each at a time
+        inflight: deque[tuple[str, list[str], int, Pending[tuple[memoryview, list[int]]]]] = deque()
+
+        def submit_more() -> None:
+            for endpoint in [e for e in groups if e not in moving]:
+                if time.monotonic() >= give_up:
+                    return
                 lane = self._transport.pick_lane(taken)
                 if lane is None:
-                    break
-                chunk = pending[: lane.staging.slots.keys_per_transfer()]
+                    return
+                pending = groups.pop(endpoint)
+                slots = lane.staging.slots
+                chunk = pending[: slots.keys_per_transfer()]
                 del pending[: len(chunk)]
-                if not pending:
-                    del groups[endpoint]
-                slot = lane.staging.slots.slot_for(len(chunk))
+                if pending:
+                    groups[endpoint] = pending
+                slot = slots.slot_for(len(chunk))
                 work = functools.partial(
                     self._transfer_on_worker, chunk=chunk, slot=slot, give_up=give_up
                 )
-                batch.append((endpoint, chunk, slot, self._transport.submit(lane, work)))
-            if not batch:
-                self._counts.skip()
-                self._skips.note("every transfer lane stuck")
-                break
-            for endpoint, chunk, slot, pending_transfer in batch:
-                lane = pending_transfer.lane
-                outcome = self._transport.finish(
-                    pending_transfer, give_up, abandoned=functools.partial(_release, lane.staging)
-                )
-                if isinstance(outcome, BaseException):
-                    self._holder_failed(endpoint, chunk, outcome)
-                    groups.pop(endpoint, None)
-                    continue
-                failed = self._decode_chunk(
-                    found, lane, chunk, slot, outcome, too_big.setdefault(endpoint, [])
-                )
-                if failed:
-                    self._holder_failed(endpoint, failed, TransferFailed("transfer failed"))
+                inflight.append((endpoint, chunk, slot, self._transport.submit(lane, work)))
+                moving.add(endpoint)
+
+        submit_more()
+        if groups and not inflight and time.monotonic() < give_up:
+            self._counts.skip()
+            self._skips.note("every transfer lane stuck")
+        while inflight:
+            endpoint, chunk, slot, pending_transfer = inflight.popleft()
+            lane = pending_transfer.lane
+            outcome = self._transport.finish(
+                pending_transfer, give_up, abandoned=functools.partial(_release, lane.staging)
+            )
+            moving.discard(endpoint)
+            if isinstance(outcome, BaseException):
+                self._holder_failed(endpoint, chunk, outcome)
+                groups.pop(endpoint, None)
+                continue  # the lane stays taken: it may still be stuck
+            failed = self._decode_chunk(
+                sink, lane, chunk, slot, outcome, too_big.setdefault(endpoint, [])
+            )
+            taken.discard(self._transport.lanes.index(lane))
+            if failed:
+                self._holder_failed(endpoint, failed, TransferFailed("transfer failed"))
+                groups.pop(endpoint, None)
+            submit_more()
         for endpoint, large in too_big.items():
-            lane = self._transport.pick_lane(set())
-            if not large or lane is None or time.monotonic() >= give_up:
+            large_lane = self._transport.pick_lane(set())
+            if not large or large_lane is None or time.monotonic() >= give_up:
                 continue
             work_large = functools.partial(self._read_large_on_worker, texts=large, give_up=give_up)
-            got = self._transport.finish(self._transport.submit(lane, work_large), give_up)
+            got = self._transport.finish(self._transport.submit(large_lane, work_large), give_up)
             if isinstance(got, BaseException):
                 self._holder_failed(endpoint, large, got)
                 continue
-            found.update(got[0])
-            lane.staging.slots.observe(got[1])
-        return found
+            buffers, largest = got
+            for text, buf in buffers.items():
+                sink(text, buf.numpy().data, True)
+            large_lane.staging.slots.observe(largest)
 
     def _group_by_holder(self, texts: list[str], give_up: float) -> dict[str, list[str]] | None:
         """The keys by the holder a read of each goes to, leaving out keys the master does not
@@ -420,15 +569,15 @@ class MooncakeCache:
 
     def _decode_chunk(
         self,
-        found: dict[str, torch.Tensor],
+        sink: _Sink,
         lane: Lane,
         chunk: list[str],
         slot: int,
         moved: tuple[memoryview, list[int]],
         too_big: list[str],
     ) -> list[str]:
-        """Decode one transfer's entries from the lane's staging buffer, then release it;
-        returns the keys whose transfer failed (their holder did not answer)."""
+        """Hand one transfer's entries in the lane's staging buffer to `sink`, then release
+        the buffer; returns the keys whose transfer failed (their holder did not answer)."""
         staging, codes = moved
         largest = 0
         failed: list[str] = []
@@ -436,7 +585,7 @@ class MooncakeCache:
             for i, (text, code) in enumerate(zip(chunk, codes)):
                 if code > 0:
                     largest = max(largest, code)
-                    self._decode_into(found, text, staging[i * slot : i * slot + code])
+                    sink(text, staging[i * slot : i * slot + code], False)
                 elif code == _BUFFER_TOO_SMALL:
                     too_big.append(text)
                 elif code in _TRANSFER_FAILURES:
@@ -541,8 +690,8 @@ class MooncakeCache:
         texts: list[str],
         give_up: float,
     ) -> tuple[dict[str, torch.Tensor], int]:
-        """Entries larger than a staging slot, each read into a buffer of its exact size;
-        returns them and the largest size seen. Stops at the call's deadline."""
+        """Entries larger than a staging slot, each read into a byte buffer of its exact
+        size; returns those buffers and the largest size seen. Stops at the call's deadline."""
         import torch
 
         found: dict[str, torch.Tensor] = {}
@@ -568,14 +717,15 @@ class MooncakeCache:
             if got in _TRANSFER_FAILURES:
                 raise TransferFailed(f"get_into: transfer failed ({got})")
             if got == size:
-                self._decode_into(found, text, buf.numpy().data, copy=False)
+                found[text] = buf
         return found, largest
 
     def _decode_into(
-        self, found: dict[str, torch.Tensor], text: str, raw: memoryview, *, copy: bool = True
+        self, found: dict[str, torch.Tensor], text: str, raw: memoryview, owned: bool
     ) -> None:
+        """A `_Sink` that decodes into `found` (aliasing `raw` when it is `owned`)."""
         try:
-            found[text] = decode_entry(text, raw, copy=copy, keyring=self._keyring)
+            found[text] = decode_entry(text, raw, copy=not owned, keyring=self._keyring)
         except ForgedEntry:
             self._counts.add(forged=1)
         except CorruptEntry:
@@ -644,6 +794,122 @@ class MooncakeCache:
         finally:
             with reading:  # waits out an entry being encoded right now, if any
                 released.set()
+
+    def _write_from(
+        self, latest: dict[str, list[torch.Tensor]], give_up: float
+    ) -> dict[str, bool]:
+        """Store payloads held in runs: straight from registered memory when the key is new,
+        through staging otherwise (Mooncake's multi-buffer put never replaces an entry)."""
+        direct: dict[str, list[torch.Tensor]] = {}
+        staged: dict[str, list[torch.Tensor]] = {}
+        for text, runs in latest.items():
+            in_place = all(
+                self._transport.region_of(t.data_ptr(), _nbytes(t)) is not None
+                for t in runs
+                if _nbytes(t)
+            )
+            (direct if in_place else staged)[text] = runs
+        stored: dict[str, bool] = {}
+        if direct:
+            texts = list(direct)
+            transport = self._transport
+
+            def look(store: MooncakeDistributedStore) -> tuple[bool, list[int]]:
+                return transport.register_regions(store), store.batch_is_exist(texts)
+
+            looked = transport.meta(look, give_up)
+            if looked is None:
+                return stored
+            registered, codes = looked
+            if not _RPC_FAILURES.isdisjoint(codes):
+                transport.fail()
+                return stored
+            for text, code in zip(texts, codes):
+                if code == 1 or not registered:
+                    staged[text] = direct.pop(text)
+            stored.update(self._put_direct(direct, give_up))
+        if staged:
+            import torch
+
+            tensors = [runs[0] if len(runs) == 1 else torch.cat(runs) for runs in staged.values()]
+            stored.update(self._write(list(staged), tensors, give_up))
+        return stored
+
+    def _put_direct(
+        self, payloads: dict[str, list[torch.Tensor]], give_up: float
+    ) -> dict[str, bool]:
+        """Multi-buffer puts of header (from a lane's staging) and payload runs (from the
+        caller's registered memory), one chunk at a time: the caller's thread seals the next
+        chunk while a lane moves the one before."""
+        stored: dict[str, bool] = {}
+        if not payloads or not self._transport.ready(give_up):
+            return stored
+        taken: set[int] = set()
+        inflight: deque[Pending[dict[str, bool]]] = deque()
+
+        def drain_one() -> None:
+            pending = inflight.popleft()
+            outcome = self._transport.finish(pending, give_up)
+            if not isinstance(outcome, BaseException):
+                stored.update(outcome)
+                taken.discard(self._transport.lanes.index(pending.lane))
+
+        for chunk in _put_chunks(payloads):
+            if time.monotonic() >= give_up:
+                break
+            headers = {
+                text: entry_header(text, runs, keyring=self._keyring) for text, runs in chunk.items()
+            }
+            while inflight:  # one put at a time: this chunk was sealed while the last moved
+                drain_one()
+            lane = self._transport.pick_lane(taken)
+            if lane is None:
+                self._counts.skip()
+                self._skips.note("every transfer lane stuck")
+                break
+            work = functools.partial(
+                self._put_direct_on_worker, headers=headers, payloads=chunk, give_up=give_up
+            )
+            inflight.append(self._transport.submit(lane, work))
+        while inflight:
+            drain_one()
+        return stored
+
+    def _put_direct_on_worker(
+        self,
+        store: MooncakeDistributedStore,
+        lane_staging: Staging,
+        headers: dict[str, bytes],
+        payloads: dict[str, list[torch.Tensor]],
+        give_up: float,
+    ) -> dict[str, bool]:
+        staging = lane_staging.view(store)
+        if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
+            raise TimeoutError("the staging buffer stayed busy past the call's deadline")
+        try:
+            _out_of_time(give_up)
+            keys: list[str] = []
+            ptrs: list[list[int]] = []
+            sizes: list[list[int]] = []
+            at = 0
+            for text, head in headers.items():
+                if at + len(head) > staging.nbytes:
+                    break  # not written: reported as not stored
+                staging[at : at + len(head)] = head
+                runs = [t for t in payloads[text] if _nbytes(t)]
+                keys.append(text)
+                ptrs.append([lane_staging.ptr + at, *(t.data_ptr() for t in runs)])
+                sizes.append([len(head), *(_nbytes(t) for t in runs)])
+                at += aligned(len(head))
+            if self._config.replica_num == 1:
+                codes = store.batch_put_from_multi_buffers(keys, ptrs, sizes)
+            else:
+                codes = store.batch_put_from_multi_buffers(keys, ptrs, sizes, self._replicate())
+            if not _RPC_FAILURES.isdisjoint(codes):
+                raise StoreError(f"batch_put_from_multi_buffers: master unreachable ({codes[0]})")
+            return {text: code == 0 for text, code in zip(keys, codes)}
+        finally:
+            lane_staging.lease.release()
 
     def _replicate(self) -> ReplicateConfig:
         """Mooncake's per-write placement settings: `config.replica_num` copies."""

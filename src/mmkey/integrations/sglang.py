@@ -12,6 +12,14 @@ the pool it lands in. Anything that does not verify, any store fault and any bad
 ``False`` (a miss for SGLang), logged at a limited rate and counted in `stats`; no call
 raises into SGLang.
 
+Data path: the pools SGLang registers are registered with Mooncake, and a put sends each
+new entry straight from its pool pages (`MooncakeCache.insert_from`: a header sealed over
+the pages, then header and pages in one multi-buffer put). A get lands entries in the
+cache's own staging buffers and copies each into its pages only after it verified
+(`MooncakeCache.read_into`): Mooncake cannot cancel a transfer, so a read given up at the
+deadline may still land later, and SGLang hands the pages of a missed read to other
+entries at once.
+
 The plugin (`register_plugin`, entry point ``mmkey`` in group ``sglang.srt.plugins``) does
 nothing unless ``MMKEY_SGLANG_BACKEND=1``: then the backend name ``mooncake`` (the only one
 ``--mm-global-cache-backend`` accepts) creates this store, and so does ``mmkey``.
@@ -22,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -68,8 +76,6 @@ BACKEND_NAME = "mmkey"
 
 _MODULE = __name__
 _CLASS = "MMKeyEmbeddingStore"
-_CHUNK = 64 << 20
-"""Bytes of embeddings per store call, so each call fits its deadline."""
 _LOG_EVERY = 10.0
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -108,8 +114,6 @@ class _Transfer:
     index: int
     key: EmbeddingKey
     rows: list[torch.Tensor]
-    dtype: torch.dtype
-    shape: tuple[int, int]
 
 
 class MMKeyEmbeddingStore(EmbeddingStore):
@@ -144,15 +148,18 @@ class MMKeyEmbeddingStore(EmbeddingStore):
     # -- SGLang's EmbeddingStore -----------------------------------------------------------
 
     def register_buffer(self, tensor: torch.Tensor) -> None:
-        """Record an embedding pool; its modality follows `REGISTRATION_ORDER`."""
+        """Record an embedding pool (its modality follows `REGISTRATION_ORDER`) and register
+        its memory with the store, so puts send entries straight from its pages."""
         self._pools.register(tensor)
+        self._cache.register_memory(tensor)
 
     def register_pool(self, tensor: torch.Tensor, modality: Modality) -> None:
-        """Record an embedding pool of a known modality."""
+        """Record an embedding pool of a known modality, registered as `register_buffer` does."""
         value: object = modality
         if not isinstance(value, Modality):
             raise TypeError(f"modality must be a Modality member, got {value!r}")
         self._pools.register(tensor, modality)
+        self._cache.register_memory(tensor)
 
     def get_key(self, mm_hash: str) -> str:
         """The store key of `mm_hash` in the vision pool; `InvalidKey` for bad hash text."""
@@ -202,7 +209,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             hits=c.get("hits", 0),
             misses=c.get("misses", 0),
             inserts=inner.inserts,
-            corrupt=inner.corrupt + c.get("corrupt", 0),
+            corrupt=inner.corrupt,
             errors=inner.errors + c.get("failed", 0),
             forged=inner.forged,
             skipped=inner.skipped + c.get("rejected", 0),
@@ -271,66 +278,35 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             key = self._parse(i, text, pool.modality)
             if key is None:
                 continue
-            shape = (sum(r.shape[0] for r in rows), pool.tensor.shape[1])
-            plans.append(_Transfer(i, key, rows, pool.tensor.dtype, shape))
+            plans.append(_Transfer(i, key, rows))
         return plans
 
     def _get(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
         result = [False] * len(hashes)
-        for chunk in _chunks(self._plan(hashes, ptrs, sizes)):
-            # one chunk's decoded tensors at a time: their memory is reused by the next chunk
-            tensors = self._cache.get_embeddings([p.key for p in chunk])
-            for plan, tensor in zip(chunk, tensors):
-                if tensor is not None and self._fits(plan, tensor):
-                    at = 0
-                    for rows in plan.rows:
-                        rows.copy_(tensor[at : at + rows.shape[0]])
-                        at += rows.shape[0]
-                    result[plan.index] = True
-            del tensors
+        plans = self._plan(hashes, ptrs, sizes)
+        if plans:
+            before = self._cache.stats().corrupt
+            landed = self._cache.read_into([p.key for p in plans], [p.rows for p in plans])
+            for plan, ok in zip(plans, landed):
+                result[plan.index] = ok
+            if self._cache.stats().corrupt > before:
+                self._log(
+                    "corrupt",
+                    "entries that did not verify (or did not fit the pool pages) were served "
+                    "as misses; see stats().corrupt and .forged",
+                )
         hits = sum(result)
         self._counts.add(hits=hits, misses=len(result) - hits)
         return result
 
-    def _fits(self, plan: _Transfer, tensor: torch.Tensor) -> bool:
-        """Whether a verified entry is exactly what the pool pages take; counted if not."""
-        if tensor.dtype == plan.dtype and tuple(tensor.shape) == plan.shape:
-            return True
-        self._counts.add(corrupt=1)
-        self._log(
-            "wrong-shape",
-            f"entry {plan.key.to_key()} holds {tensor.dtype} {tuple(tensor.shape)}, the "
-            f"pool pages take {plan.dtype} {plan.shape}: served as a miss",
-        )
-        return False
-
     def _put(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
-        import torch
-
         result = [False] * len(hashes)
-        for chunk in _chunks(self._plan(hashes, ptrs, sizes)):
-            tensors = [p.rows[0] if len(p.rows) == 1 else torch.cat(p.rows) for p in chunk]
-            stored = self._cache.insert_batch([p.key for p in chunk], tensors)
-            for plan, ok in zip(chunk, stored):
+        plans = self._plan(hashes, ptrs, sizes)
+        if plans:
+            stored = self._cache.insert_from([p.key for p in plans], [p.rows for p in plans])
+            for plan, ok in zip(plans, stored):
                 result[plan.index] = ok
         return result
-
-
-def _chunks(plans: list[_Transfer]) -> Iterator[list[_Transfer]]:
-    """`plans` in runs of at most `_CHUNK` bytes (or one entry): one store call and one
-    deadline each, and bounded memory for the entries in flight."""
-    start = 0
-    while start < len(plans):
-        end, total = start, 0
-        while end < len(plans) and (end == start or total + _nbytes(plans[end]) <= _CHUNK):
-            total += _nbytes(plans[end])
-            end += 1
-        yield plans[start:end]
-        start = end
-
-
-def _nbytes(plan: _Transfer) -> int:
-    return sum(r.numel() * r.element_size() for r in plan.rows)
 
 
 def register_plugin() -> None:
