@@ -202,15 +202,13 @@ def test_puts_go_straight_from_the_pool_pages_and_existing_entries_are_replaced(
         # an entry that exists is replaced through staging (a multi-buffer put keeps it)
         h = next(iter(expected))
         with writer.lock:
-            pool.evictable.remove(h)
-            pool.allocator.free(writer.entries.pop(h).page_runs)
+            writer._evict_entry(h)
         newer = embedding(40, 64, 799)
         fill(writer, h, newer, image)
         publish(writer, [h], image)
         assert puts == [3]
         with reader.lock:
-            reader.vision_pool.evictable.remove(h)
-            reader.vision_pool.allocator.free(reader.entries.pop(h).page_runs)
+            reader._evict_entry(h)
         got_again = fetch(reader, [h], [40], image)[0]
         assert got_again is not None and torch.equal(got_again, newer)
 
