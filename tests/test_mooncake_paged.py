@@ -13,7 +13,7 @@ import torch
 from mmkey import EmbeddingKey, EntryKeyring, HashScheme, Modality, MooncakeCache, StoreClosed, mm_hash
 from mmkey.cache.codec import encode_entry
 from mmkey.testing.mooncake_master import MasterProcess
-from _support import MiB, count_multi_buffer_puts, local_config, timed
+from _support import MiB, count_multi_buffer_puts, local_config, timed, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -123,6 +123,26 @@ def test_memory_registered_before_the_store_is_set_up_is_sent_from_once_it_is(
         assert multi_buffer_puts == [1]
         got = c.get_embeddings([k])[0]
         assert got is not None and same(got, src[:32])
+    finally:
+        c.close()
+
+
+def test_registered_memory_still_goes_straight_to_a_restarted_master(
+    mooncake_master: MasterProcess, multi_buffer_puts: list[int]
+) -> None:
+    src = pool(64, seed=8)
+    c = MooncakeCache(local_config(mooncake_master, deadline=DEADLINE))
+    try:
+        c.register_memory(src)
+        assert c.insert_from([key(250)], [[src[:8]]]) == [True]
+        assert multi_buffer_puts == [1]
+        mooncake_master.kill()
+        assert c.insert_from([key(251)], [[src[8:16]]]) == [False]
+        mooncake_master.restart()  # a cold cache: the keys are gone, the registration is not
+        assert wait_until(lambda: c.insert_from([key(251)], [[src[8:16]]]) == [True], 30)
+        assert len(multi_buffer_puts) > 1 and multi_buffer_puts[-1] == 1  # straight, again
+        dst = torch.zeros(8, DIM, dtype=torch.bfloat16)
+        assert c.read_into([key(251)], [dst]) == [True] and same(dst, src[8:16])
     finally:
         c.close()
 
