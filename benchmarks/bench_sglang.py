@@ -9,9 +9,11 @@ of ``count`` embeddings of 1024 x 3584 bf16 (7 MiB each, default 64) laid out in
 keys for every put):
 
 - ``batch_is_exist`` of 64 hashes that exist;
-- paged put of ``count`` embeddings (``batch_put_from_multi_buffers``);
-- paged get of ``count`` embeddings (``batch_get_into_multi_buffers``): SGLang's reads
-  are unverified; mmkey's verify dtype, shape, key and checksum. Target <= 1.3x.
+- paged put of ``count`` embeddings (``batch_put_from_multi_buffers``): both send the pool
+  pages themselves; mmkey first seals a header over them (checksum, key, dtype, shape);
+- paged get of ``count`` embeddings (``batch_get_into_multi_buffers``): SGLang's land in
+  the pages unverified; mmkey's land in its staging buffer, are verified (dtype, shape, key,
+  checksum) and then copied into the pages. Target <= 1.3x.
 
 Each side's read is checked against its source pool once, outside the timings.
 """
