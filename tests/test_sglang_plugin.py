@@ -6,8 +6,18 @@ elsewhere unless MMKEY_REQUIRE_SGLANG=1.
 
 from __future__ import annotations
 
+import importlib
+import json
 import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -18,6 +28,7 @@ require_sglang()
 import sglang.srt.plugins as plugins  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory  # noqa: E402
 
+import mmkey.integrations._sglang_ranks as ranks  # noqa: E402
 from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
@@ -26,8 +37,13 @@ SGLANG_MOONCAKE = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_embeddin
 
 @pytest.fixture
 def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """SGLang's plugin loader and backend registry as in a new process, restored afterwards."""
+    """SGLang's plugin loader and backend registry as in a new process, restored afterwards
+    (with ``sys.meta_path`` and the encoder's spawn targets, which the plugin may patch)."""
     monkeypatch.setattr(EmbeddingStoreFactory, "_registry", dict(EmbeddingStoreFactory._registry))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    for target in ranks.SPAWN_TARGETS:
+        if target.module in sys.modules and hasattr(sys.modules[target.module], target.name):
+            monkeypatch.setattr(sys.modules[target.module], target.name, getattr(sys.modules[target.module], target.name))
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
@@ -85,3 +101,130 @@ def test_a_bad_switch_or_missing_namespace_is_logged_and_sglang_keeps_its_backen
     assert module_of("mooncake") == SGLANG_MOONCAKE
     assert "Failed to execute general plugin: mmkey" in caplog.text
     assert message in caplog.text
+
+
+# -- the encoder processes SGLang spawns (TP ranks above 0, DP workers) -----------------------
+
+PROBE = Path(__file__).with_name("sglang_spawn_probe.py")
+SPAWN_LABELS = ("runtime.launch_encoder", "grpc_server.launch_encoder", "runtime.launch_dp_worker")
+
+
+@pytest.fixture
+def encoder_modules(fresh_loader: pytest.MonkeyPatch) -> Iterator[tuple[ModuleType, ModuleType, ModuleType]]:
+    """SGLang's encoder server, runtime and gRPC server modules; their spawn targets and
+    ``sys.meta_path`` are restored afterwards."""
+    server = importlib.import_module(ranks.SERVER_MODULE)
+    runtime = importlib.import_module(ranks.RUNTIME_MODULE)
+    grpc_server = importlib.import_module(ranks.GRPC_MODULE)
+    for target in ranks.SPAWN_TARGETS:
+        module = sys.modules[target.module]
+        fresh_loader.setattr(module, target.name, getattr(module, target.name))
+    yield server, runtime, grpc_server
+
+
+def mmkey_finders() -> list[object]:
+    return [f for f in sys.meta_path if isinstance(f, ranks.PatchAfterImport)]
+
+
+def test_switch_on_makes_sglangs_spawning_modules_start_mmkeys_entry_points(
+    fresh_loader: pytest.MonkeyPatch, encoder_modules: tuple[ModuleType, ModuleType, ModuleType]
+) -> None:
+    server, runtime, grpc_server = encoder_modules
+    sglang_launch_encoder, sglang_launch_dp_worker = server.launch_encoder, runtime.launch_dp_worker
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    for _ in range(2):  # a second load (a process that loads plugins again) changes nothing
+        fresh_loader.setattr(plugins, "_plugins_loaded", False)
+        plugins.load_plugins()
+        assert runtime.launch_encoder is grpc_server.launch_encoder is ranks.launch_encoder
+        assert runtime.launch_dp_worker is ranks.launch_dp_worker
+        assert server.launch_encoder is sglang_launch_encoder  # SGLang's own stays where it is defined
+        assert ranks.original_of(ranks.RUNTIME_MODULE, "launch_dp_worker") is sglang_launch_dp_worker
+        assert ranks.original_of(ranks.SERVER_MODULE, "launch_encoder") is sglang_launch_encoder
+        assert len(mmkey_finders()) == 1
+    # spawn pickles a target by reference: the child imports mmkey's function, not SGLang's
+    for target in (runtime.launch_encoder, runtime.launch_dp_worker):
+        data = pickle.dumps(target)
+        assert b"mmkey.integrations._sglang_ranks" in data and b"sglang.srt" not in data
+        assert pickle.loads(data) is target
+
+
+def test_switch_off_leaves_sglangs_spawn_targets_alone(
+    fresh_loader: pytest.MonkeyPatch, encoder_modules: tuple[ModuleType, ModuleType, ModuleType]
+) -> None:
+    server, runtime, grpc_server = encoder_modules
+    for switch in ("", "0"):
+        fresh_loader.setenv(BACKEND_ENV, switch)
+        fresh_loader.setattr(plugins, "_plugins_loaded", False)
+        plugins.load_plugins()
+        assert runtime.launch_encoder is grpc_server.launch_encoder is server.launch_encoder
+        assert runtime.launch_encoder.__module__ == ranks.SERVER_MODULE
+        assert runtime.launch_dp_worker.__module__ == ranks.RUNTIME_MODULE
+        assert mmkey_finders() == []
+
+
+def test_a_missing_spawn_target_is_skipped_and_the_rest_still_covered(
+    fresh_loader: pytest.MonkeyPatch,
+    encoder_modules: tuple[ModuleType, ModuleType, ModuleType],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, runtime, grpc_server = encoder_modules
+    fresh_loader.delattr(runtime, "launch_dp_worker")  # as in an SGLang without DP workers
+    fresh_loader.setattr(grpc_server, "launch_encoder", None)
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    with caplog.at_level(logging.DEBUG, logger=ranks.__name__):
+        plugins.load_plugins()
+    assert "Failed to execute general plugin" not in caplog.text
+    assert f"{ranks.RUNTIME_MODULE} has no function launch_dp_worker" in caplog.text
+    assert f"{ranks.GRPC_MODULE} has no function launch_encoder" in caplog.text
+    assert not hasattr(runtime, "launch_dp_worker") and grpc_server.launch_encoder is None
+    assert runtime.launch_encoder is ranks.launch_encoder
+    assert module_of("mooncake") == "mmkey.integrations.sglang"
+
+
+def run_probe(labels: tuple[str, ...], env: dict[str, str], timeout: float = 400.0) -> dict[str, Any]:
+    """`sglang_spawn_probe.py` in a process group of its own, killed whole if it overruns."""
+    child = subprocess.Popen(
+        [sys.executable, str(PROBE), *labels],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        pytest.fail(f"the spawn probe did not finish within {timeout} s")
+    assert child.returncode == 0, err[-4000:]
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def probe_env(switch: str, master: MasterProcess) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", BACKEND_ENV)}
+    env.update({BACKEND_ENV: switch, "MMKEY_NAMESPACE": "spawned-model", "PYTHONPATH": os.pathsep.join(sys.path)})
+    env.update(MOONCAKE_MASTER=master.address, MOONCAKE_GLOBAL_SEGMENT_SIZE="16MB", MOONCAKE_LOCAL_BUFFER_SIZE="16MB")
+    return env
+
+
+def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store(mooncake_master_session: MasterProcess) -> None:
+    # server.launch_encoder is SGLang's own entry point, spawned directly as without the plugin:
+    # the control that shows the probe sees SGLang's store where mmkey's is not registered
+    result = run_probe((*SPAWN_LABELS, "server.launch_encoder"), probe_env("1", mooncake_master_session))
+    ours = {"runtime.launch_dp_worker": "launch_dp_worker"}
+    assert result["targets"] == {
+        **{label: f"{ranks.__name__}.{ours.get(label, 'launch_encoder')}" for label in SPAWN_LABELS},
+        "server.launch_encoder": f"{ranks.SERVER_MODULE}.launch_encoder",
+    }
+    reports = {r["label"]: r for r in result["reports"]}
+    assert sorted(reports) == sorted(result["targets"])
+    for label in SPAWN_LABELS:
+        assert reports[label]["mooncake"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
+        assert reports[label]["created"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
+        assert reports[label]["namespace"] == "spawned-model"
+        assert reports[label]["args"] == 2  # SGLang's arguments reach its entry point unchanged
+    assert reports["server.launch_encoder"]["mooncake"] == f"{SGLANG_MOONCAKE}.MooncakeEmbeddingStore"
+    assert "created" not in reports["server.launch_encoder"]
+    assert result["exitcodes"] == [0, 0, 0, 0]

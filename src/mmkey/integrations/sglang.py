@@ -44,6 +44,7 @@ from mmkey.errors import InvalidKey
 from mmkey.integrations._common import Counters, RateLimitedLog
 from mmkey.integrations._sglang_keys import sglang_digest, sglang_key
 from mmkey.integrations._sglang_pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
+from mmkey.integrations._sglang_ranks import cover_spawned_encoders
 from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:
@@ -311,7 +312,9 @@ class MMKeyEmbeddingStore(EmbeddingStore):
 
 def register_plugin() -> None:
     """SGLang general plugin: with ``MMKEY_SGLANG_BACKEND=1``, register `MMKeyEmbeddingStore`
-    as the ``mooncake`` and ``mmkey`` embedding store backends; otherwise do nothing.
+    as the ``mooncake`` and ``mmkey`` embedding store backends, and make the encoder
+    processes SGLang spawns (TP ranks above 0, DP workers) do the same before they start
+    (`cover_spawned_encoders`); otherwise do nothing.
 
     Raises `ValueError` (SGLang logs it and keeps its own backend) for any other value of
     the switch, and when ``MMKEY_NAMESPACE`` is missing with the switch on.
@@ -326,6 +329,7 @@ def register_plugin() -> None:
 
     for name in ("mooncake", BACKEND_NAME):
         EmbeddingStoreFactory.register_backend(name, _MODULE, _CLASS)
+    cover_spawned_encoders()
     logger.info(
         "mmkey: --mm-global-cache-backend mooncake now creates %s.%s (%s=1)", _MODULE, _CLASS, BACKEND_ENV
     )

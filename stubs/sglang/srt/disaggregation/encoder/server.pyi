@@ -1,0 +1,3 @@
+from typing import Any
+
+def launch_encoder(server_args: Any, schedule_path: Any, dist_init_method: Any, rank: Any) -> None: ...

@@ -1,0 +1,91 @@
+"""A stand-in for SGLang's encode server launcher (run as a program by test_sglang_plugin.py).
+
+It does what SGLang's launcher does before its encoder starts: SGLang's plugin loader, then
+the encoder modules, then one ``spawn`` child per label given on the command line, each
+started with the function that the spawning module holds under that name now, as SGLang
+starts its TP ranks and DP workers. ``spawn`` runs this file again in each child (as
+``__mp_main__``) before the target is unpickled; there SGLang's entry points become `probe`,
+which reports what ``EmbeddingStoreFactory`` creates for ``mooncake`` instead of starting a
+GPU encoder. Prints one JSON object: the parent's targets and the children's reports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing
+import queue
+import sys
+from typing import Any
+
+SERVER = "sglang.srt.disaggregation.encoder.server"
+RUNTIME = "sglang.srt.disaggregation.encoder.runtime"
+GRPC = "sglang.srt.disaggregation.encoder.grpc_server"
+TARGETS = {
+    "runtime.launch_encoder": (RUNTIME, "launch_encoder"),
+    "grpc_server.launch_encoder": (GRPC, "launch_encoder"),
+    "runtime.launch_dp_worker": (RUNTIME, "launch_dp_worker"),
+    "server.launch_encoder": (SERVER, "launch_encoder"),  # SGLang's own, where it is defined
+}
+REPORT_TIMEOUT = 180.0
+MMKEY_MODULE = "mmkey.integrations.sglang"
+
+
+def qualified(value: Any) -> str:
+    return f"{value.__module__}.{value.__qualname__}"
+
+
+def probe(reports: Any, label: str, *rest: object) -> None:
+    """In a child, in place of SGLang's entry point: which class ``mooncake`` maps to, and
+    (when that is mmkey's) the store ``create_backend`` builds."""
+    from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
+
+    entry = EmbeddingStoreFactory._registry["mooncake"]
+    report: dict[str, object] = {"label": label, "args": len(rest), "mooncake": f"{entry['module_path']}.{entry['class_name']}"}
+    if entry["module_path"] == MMKEY_MODULE:
+        store: Any = EmbeddingStoreFactory.create_backend("mooncake")
+        try:
+            report["created"] = qualified(type(store))
+            report["namespace"] = store.namespace
+        finally:
+            store.close()
+    reports.put(report)
+
+
+def main(labels: list[str]) -> int:
+    import sglang.srt.plugins as plugins
+
+    plugins.load_plugins()  # before the encoder modules are imported, as in SGLang's launcher
+    context = multiprocessing.get_context("spawn")
+    reports: Any = context.Queue()
+    targets: dict[str, str] = {}
+    children = []
+    for label in labels:
+        module, name = TARGETS[label]
+        target = getattr(importlib.import_module(module), name)
+        targets[label] = qualified(target)
+        child = context.Process(target=target, args=(reports, label, "schedule-path", 1), daemon=True)
+        child.start()
+        children.append(child)
+    received: list[object] = []
+    try:
+        for _ in children:
+            received.append(reports.get(timeout=REPORT_TIMEOUT))
+    except queue.Empty:
+        pass
+    finally:
+        for child in children:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()
+                child.join()
+    print(json.dumps({"targets": targets, "reports": received, "exitcodes": [c.exitcode for c in children]}))
+    return 0 if len(received) == len(children) else 1
+
+
+if __name__ == "__mp_main__":  # a spawned child, before its target is unpickled
+    setattr(importlib.import_module(SERVER), "launch_encoder", probe)
+    setattr(importlib.import_module(RUNTIME), "launch_dp_worker", probe)
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

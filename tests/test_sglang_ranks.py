@@ -1,0 +1,101 @@
+"""`PatchAfterImport`, the finder that patches SGLang's spawning modules when they are imported.
+
+These run without SGLang, on modules written to a temporary folder; test_sglang_plugin.py
+runs the whole mechanism against SGLang's own modules and spawned processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import pickle
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import mmkey.integrations._sglang_ranks as ranks
+
+
+@pytest.fixture
+def isolated_imports(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A folder on ``sys.path`` for throwaway modules; ``sys.meta_path`` restored afterwards."""
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - names:
+        del sys.modules[name]
+
+
+def write_module(folder: Path, body: str) -> str:
+    name = f"mmkey_probe_{uuid.uuid4().hex}"
+    (folder / f"{name}.py").write_text(body)
+    importlib.invalidate_caches()
+    return name
+
+
+def test_a_named_module_is_patched_after_it_executes_and_again_on_reload(isolated_imports: Path) -> None:
+    name = write_module(isolated_imports, "def launch():\n    return 'original'\n")
+    other = write_module(isolated_imports, "VALUE = 1\n")
+    seen: list[str] = []
+
+    def patch(module: ModuleType) -> None:
+        seen.append(getattr(module, "launch")())
+        setattr(module, "launch", lambda: "patched")
+
+    sys.meta_path.insert(0, ranks.PatchAfterImport({name}, patch))
+    module = importlib.import_module(name)
+    assert seen == ["original"] and getattr(module, "launch")() == "patched"
+    assert "return 'original'" in inspect.getsource(module)  # the module's own loader still answers
+    importlib.reload(module)
+    assert seen == ["original", "original"] and getattr(module, "launch")() == "patched"
+    assert type(importlib.import_module(other).__loader__).__name__ == "SourceFileLoader"
+
+
+def test_a_failing_import_is_not_hidden_and_a_failing_patch_does_not_fail_the_import(
+    isolated_imports: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = write_module(isolated_imports, "raise ImportError('needs grpc')\n")
+    fine = write_module(isolated_imports, "VALUE = 2\n")
+    missing = f"mmkey_probe_{uuid.uuid4().hex}"
+    calls: list[str] = []
+
+    def patch(module: ModuleType) -> None:
+        calls.append(module.__name__)
+        raise RuntimeError("patch broke")
+
+    sys.meta_path.insert(0, ranks.PatchAfterImport({broken, fine, missing}, patch))
+    with pytest.raises(ImportError, match="needs grpc"):
+        importlib.import_module(broken)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(missing)
+    assert calls == [] and broken not in sys.modules
+    with caplog.at_level(logging.WARNING, logger=ranks.__name__):
+        assert importlib.import_module(fine).VALUE == 2
+    assert calls == [fine]
+    assert f"patching {fine} after its import failed" in caplog.text
+
+
+def test_covering_twice_installs_one_finder_and_never_raises(isolated_imports: Path) -> None:
+    ranks.cover_spawned_encoders()
+    ranks.cover_spawned_encoders()
+    finders = [f for f in sys.meta_path if isinstance(f, ranks.PatchAfterImport)]
+    assert len(finders) == 1
+    assert finders[0].modules == {ranks.RUNTIME_MODULE, ranks.GRPC_MODULE}
+
+
+def test_the_replacements_pickle_by_reference_to_mmkey() -> None:
+    for target in ranks.SPAWN_TARGETS:
+        data = pickle.dumps(target.replacement)
+        assert f"{ranks.__name__}".encode() in data and b"sglang.srt" not in data
+        assert pickle.loads(data) is target.replacement
+    assert {(t.module, t.name) for t in ranks.SPAWN_TARGETS} == {
+        (ranks.RUNTIME_MODULE, "launch_encoder"),
+        (ranks.RUNTIME_MODULE, "launch_dp_worker"),
+        (ranks.GRPC_MODULE, "launch_encoder"),
+    }
