@@ -57,6 +57,15 @@ def test_a_named_module_is_patched_after_it_executes_and_again_on_reload(isolate
     assert type(importlib.import_module(other).__loader__).__name__ == "SourceFileLoader"
 
 
+def test_two_finders_for_one_module_both_patch_in_turn(isolated_imports: Path) -> None:
+    name = write_module(isolated_imports, "ORDER = []\n")
+    sys.meta_path[:0] = [
+        ranks.PatchAfterImport({name}, lambda m: getattr(m, "ORDER").append("first")),
+        ranks.PatchAfterImport({name}, lambda m: getattr(m, "ORDER").append("second")),
+    ]
+    assert importlib.import_module(name).ORDER == ["second", "first"]  # the inner loader runs first
+
+
 def test_a_failing_import_is_not_hidden_and_a_failing_patch_does_not_fail_the_import(
     isolated_imports: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -144,25 +144,32 @@ class PatchAfterImport(importlib.abc.MetaPathFinder):
     def __init__(self, modules: set[str] | frozenset[str], patch: Callable[[ModuleType], None]) -> None:
         self.modules = frozenset(modules)
         self.patch = patch
+        self._finding: set[str] = set()
 
     def find_spec(
         self, fullname: str, path: Any = None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
         """The spec the other finders give `fullname`, its loader wrapped when it is named."""
-        if fullname not in self.modules:
-            return None
+        if fullname not in self.modules or fullname in self._finding:
+            return None  # not ours, or asked again by a finder we asked (no loop between two)
+        self._finding.add(fullname)
+        try:
+            spec = self._find_elsewhere(fullname, path, target)
+        finally:
+            self._finding.discard(fullname)
+        if isinstance(spec, ModuleSpec) and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader, self.patch)
+        return spec
+
+    def _find_elsewhere(self, fullname: str, path: Any, target: ModuleType | None) -> ModuleSpec | None:
         for finder in list(sys.meta_path):
             find = getattr(finder, "find_spec", None)
             if finder is self or find is None:
                 continue
             spec = find(fullname, path, target)
             if spec is not None:
-                break
-        else:
-            return None
-        if isinstance(spec, ModuleSpec) and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader, self.patch)
-        return spec  # type: ignore[no-any-return]
+                return spec  # type: ignore[no-any-return]
+        return None
 
     def __repr__(self) -> str:
         return f"PatchAfterImport({sorted(self.modules)})"
