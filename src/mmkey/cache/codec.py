@@ -463,6 +463,17 @@ def _parse(view: memoryview, rt: _Runtime) -> _Parsed:
     return _Parsed(dtype, shape, head, payload, view[at : at + key_len].tobytes(), authenticated)
 
 
+def _parse_as(view: memoryview, key: str, raw_key: bytes, rt: _Runtime) -> _Parsed:
+    """`_parse`, and `CorruptEntry` unless the entry was written under `key`."""
+    parsed = _parse(view, rt)
+    if parsed.stored_key != raw_key:
+        raise CorruptEntry(
+            f"entry was written under key {parsed.stored_key[:120].decode('latin-1')!r}, "
+            f"read as {key[:120]!r}"
+        )
+    return parsed
+
+
 def peek_header(data: Buffer) -> EntryHeader:
     """Read an entry's header without verifying its checksum; `CorruptEntry` if malformed.
 
@@ -498,12 +509,7 @@ def decode_entry(
     rt = _runtime or _rt()
     raw_key = _key_bytes(key)
     view = _byte_view(data)
-    dtype, shape, head, payload, stored_key, authenticated = _parse(view, rt)
-    if stored_key != raw_key:
-        raise CorruptEntry(
-            f"entry was written under key {stored_key[:120].decode('latin-1')!r}, "
-            f"read as {key[:120]!r}"
-        )
+    dtype, shape, head, payload, _, authenticated = _parse_as(view, key, raw_key, rt)
     import torch
 
     verifier, expected, secret = _verifier(view, head, payload, authenticated, key, keyring, rt)
@@ -572,12 +578,7 @@ def decode_entry_into(
     raw_key = _key_bytes(key)
     targets = _runs(out, rt, "decode_entry_into", "targets")
     view = _byte_view(data)
-    dtype, shape, head, payload, stored_key, authenticated = _parse(view, rt)
-    if stored_key != raw_key:
-        raise CorruptEntry(
-            f"entry was written under key {stored_key[:120].decode('latin-1')!r}, "
-            f"read as {key[:120]!r}"
-        )
+    dtype, shape, head, payload, _, authenticated = _parse_as(view, key, raw_key, rt)
     if dtype != targets.dtype or shape != targets.shape:
         raise CorruptEntry(
             f"entry for key {key[:120]!r} holds {dtype} {shape}, the targets take "

@@ -901,15 +901,22 @@ class MooncakeCache:
                 ptrs.append([lane_staging.ptr + at, *(t.data_ptr() for t in runs)])
                 sizes.append([len(head), *(_nbytes(t) for t in runs)])
                 at += aligned(len(head))
-            if self._config.replica_num == 1:
-                codes = store.batch_put_from_multi_buffers(keys, ptrs, sizes)
-            else:
-                codes = store.batch_put_from_multi_buffers(keys, ptrs, sizes, self._replicate())
-            if not _RPC_FAILURES.isdisjoint(codes):
-                raise StoreError(f"batch_put_from_multi_buffers: master unreachable ({codes[0]})")
+            codes = self._placed(store.batch_put_from_multi_buffers, keys, ptrs, sizes)
             return {text: code == 0 for text, code in zip(keys, codes)}
         finally:
             lane_staging.lease.release()
+
+    def _placed(self, write: Callable[..., list[int]], *args: object) -> list[int]:
+        """`write(*args)` (a batch write of the binding) with `config.replica_num` copies
+        (Mooncake's default placement for one); `StoreError` if the master did not answer."""
+        if self._config.replica_num == 1:
+            codes = write(*args)
+        else:
+            codes = write(*args, self._replicate())
+        if not _RPC_FAILURES.isdisjoint(codes):
+            name = getattr(write, "__name__", "batch write")
+            raise StoreError(f"{name}: master unreachable ({codes[0]})")
+        return codes
 
     def _replicate(self) -> ReplicateConfig:
         """Mooncake's per-write placement settings: `config.replica_num` copies."""
@@ -929,12 +936,7 @@ class MooncakeCache:
         keys = [text for text, _, _ in batch]
         ptrs = [base + offset for _, offset, _ in batch]
         sizes = [size for _, _, size in batch]
-        if self._config.replica_num == 1:  # Mooncake's default placement
-            codes = store.batch_upsert_from(keys, ptrs, sizes)
-        else:
-            codes = store.batch_upsert_from(keys, ptrs, sizes, self._replicate())
-        if not _RPC_FAILURES.isdisjoint(codes):
-            raise StoreError(f"batch_upsert_from: master unreachable ({codes[0]})")
+        codes = self._placed(store.batch_upsert_from, keys, ptrs, sizes)
         return {text: code == 0 for text, code in zip(keys, codes)}
 
     def _write_large_on_worker(
