@@ -194,6 +194,27 @@ def test_two_replicas_lose_nothing_when_either_holder_fails(
         writer.close()
 
 
+def test_puts_straight_from_registered_pages_place_every_replica(
+    mooncake_fleet: Fleet, store: object
+) -> None:
+    # MooncakeCache.insert_from's multi-buffer put honours replica_num like its upserts
+    pool = torch.randn(40 * 8, 16)
+    keys = [key(2500 + i) for i in range(40)]
+    writer = MooncakeCache(mooncake_fleet.client_config(deadline=30.0, replica_num=2))
+    try:
+        writer.register_memory(pool)
+        pages = [[pool[i * 8 : i * 8 + 3], pool[i * 8 + 5 : i * 8 + 8]] for i in range(40)]
+        assert writer.insert_from(keys, pages) == [True] * 40
+        where = placement(mooncake_fleet, store, keys)
+        assert all({h.name for h in holders} == {"holder0", "holder1"} for holders in where.values())
+        out = torch.zeros(40 * 6, 16)
+        targets = [[out[i * 6 : i * 6 + 6]] for i in range(40)]
+        assert writer.read_into(keys, targets) == [True] * 40
+        assert torch.equal(out, torch.cat([torch.cat(p) for p in pages]))
+    finally:
+        writer.close()
+
+
 def test_thread_and_async_readers_keep_hitting_while_a_holder_is_paused(
     mooncake_fleet: Fleet, store: object
 ) -> None:
