@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import _common
 from _common import segment_holder
 
 from mmkey import (
@@ -48,13 +49,9 @@ RAW_SWEEP_CAP_S = 40.0
 
 
 def best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    """`_common.best` after one warm-up call."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return _common.best(fn, repeats)
 
 
 def best_interleaved(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float]:

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
+    from mooncake.store import MooncakeDistributedStore
+
     from mmkey.cache.mooncake_config import MooncakeConfig
     from mmkey.testing.mooncake_master import MasterProcess
 
-__all__ = ["MiB", "count_multi_buffer_puts", "local_config", "require_stack", "timed", "wait_until"]
+__all__ = [
+    "MiB",
+    "count_multi_buffer_puts",
+    "local_config",
+    "raw_client",
+    "require_stack",
+    "timed",
+    "wait_until",
+]
 
 MiB = 1 << 20
 
@@ -79,3 +90,17 @@ def count_multi_buffer_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", Counting)
     return calls
+
+
+@contextlib.contextmanager
+def raw_client(config: MooncakeConfig, **setup_keywords: Any) -> Iterator[MooncakeDistributedStore]:
+    """A client on the raw binding, set up with `config` (asserted), closed on exit: to see or
+    write what the store holds behind a cache's back."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup(*config.setup_args(), **setup_keywords) == 0
+    try:
+        yield client
+    finally:
+        client.close()

@@ -24,6 +24,7 @@ from mmkey.testing.fleet import (
     running_fleet,
 )
 from mmkey.testing.pytest_plugin import _require_fleet
+from _support import raw_client
 
 pytestmark = pytest.mark.mooncake
 
@@ -67,12 +68,8 @@ def fleet_runs_here() -> None:
 @pytest.fixture
 def store(mooncake_fleet: Fleet) -> Iterator[object]:
     """A pure client of the fleet on the raw binding."""
-    from mooncake.store import MooncakeDistributedStore
-
-    client = MooncakeDistributedStore()
-    assert client.setup(*mooncake_fleet.client_config().setup_args()) == 0
-    yield client
-    client.close()
+    with raw_client(mooncake_fleet.client_config()) as client:
+        yield client
 
 
 def _put_spread(
@@ -243,16 +240,12 @@ def _reachable(holder: HolderProcess, timeout: float = 1.0) -> bool:
 
 
 def test_namespaced_fleet_partition_and_heal(mooncake_fleet_netns: Fleet) -> None:
-    from mooncake.store import MooncakeDistributedStore
-
     fleet = mooncake_fleet_netns
     assert fleet.namespaced
     h0, h1 = fleet.holders
     assert h0.host != h1.host and h0.netns and h1.netns and h0.netns != h1.netns
     assert fleet.master.host == fleet.client_host != "127.0.0.1"
-    store = MooncakeDistributedStore()
-    assert store.setup(*fleet.client_config().setup_args()) == 0
-    try:
+    with raw_client(fleet.client_config()) as store:
         located = _put_spread(store, fleet)
         assert set(located.values()) == {h0, h1}
         assert all(endpoint.startswith(h0.host + ":") for endpoint in h0.endpoints)
@@ -269,18 +262,12 @@ def test_namespaced_fleet_partition_and_heal(mooncake_fleet_netns: Fleet) -> Non
         assert _reachable(h0)
         h0_key = next(k for k, h in located.items() if h is h0)
         assert store.get(h0_key) == h0_key.encode() * 10
-    finally:
-        store.close()
 
 
 def test_namespaced_fleet_shaping(mooncake_fleet_netns: Fleet) -> None:
-    from mooncake.store import MooncakeDistributedStore
-
     fleet = mooncake_fleet_netns
     h0 = fleet.holders[0]
-    store = MooncakeDistributedStore()
-    assert store.setup(*fleet.client_config(local_buffer_size=16 << 20).setup_args()) == 0
-    try:
+    with raw_client(fleet.client_config(local_buffer_size=16 << 20)) as store:
         value = os.urandom(256 << 10)
         key = ""
         for i in range(20):  # find a key that lands on h0
@@ -301,8 +288,6 @@ def test_namespaced_fleet_shaping(mooncake_fleet_netns: Fleet) -> None:
         h0.unshape()
         with pytest.raises(TypeError, match="exactly one"):
             h0.shape()
-    finally:
-        store.close()
 
 
 def _netem_missing(holder: HolderProcess) -> bool:

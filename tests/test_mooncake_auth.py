@@ -25,6 +25,7 @@ from mmkey import (
 from mmkey.cache.auth import ENV_SECRET
 from mmkey.cache.codec import encode_entry, entry_size
 from mmkey.testing.mooncake_master import MasterProcess
+from _support import local_config, raw_client
 
 if TYPE_CHECKING:
     from mooncake.store import MooncakeDistributedStore
@@ -85,31 +86,15 @@ def key(i: int) -> EmbeddingKey:
 
 
 def config(master: MasterProcess, **overrides: Any) -> MooncakeConfig:
-    fields: dict[str, Any] = {
-        "master_server_address": master.address,
-        "global_segment_size": 64 * MiB,
-        "local_buffer_size": 16 * MiB,
-        "deadline": 5.0,  # generous: only a hang may fail these tests
-        "setup_deadline": 10.0,
-    }
-    fields.update(overrides)
-    return MooncakeConfig(**fields)
+    # generous deadlines: only a hang may fail these tests
+    return local_config(master, **{"deadline": 5.0, "setup_deadline": 10.0, **overrides})
 
 
 @pytest.fixture
 def raw_store(mooncake_master_session: MasterProcess) -> Iterator[MooncakeDistributedStore]:
     """A raw binding client: a writer that knows the key format but not the secret."""
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    try:
-        rc = store.setup(
-            "127.0.0.1", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", mooncake_master_session.address
-        )
-        assert rc == 0
+    with raw_client(config(mooncake_master_session, global_segment_size=0)) as store:
         yield store
-    finally:
-        store.close()
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from mmkey import (
 )
 from mmkey.cache.codec import encode_entry
 from mmkey.testing.mooncake_master import MasterProcess
-from _support import local_config, timed, wait_until
+from _support import local_config, raw_client, timed, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -135,22 +135,10 @@ def test_missing_keys_are_misses_and_counted(cache: MooncakeCache) -> None:
     assert cache.get_embeddings([]) == [] and cache.batch_is_exist([]) == []
 
 
-def raw_store(master: MasterProcess) -> object:
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 64 * MiB, 64 * MiB, "tcp", "", master.address) == 0
-    return store
-
-
 def test_corrupt_truncated_and_misplaced_entries_are_never_served(
     cache: MooncakeCache, mooncake_master_session: MasterProcess
 ) -> None:
-    from mooncake.store import MooncakeDistributedStore
-
-    store = raw_store(mooncake_master_session)
-    assert isinstance(store, MooncakeDistributedStore)
-    try:
+    with raw_client(local_config(mooncake_master_session, local_buffer_size=64 * MiB)) as store:
         good = encode_entry(key(7000).to_key(), torch.randn(64, 64))
         flipped = bytearray(good)
         flipped[len(flipped) // 2] ^= 0x10
@@ -167,8 +155,6 @@ def test_corrupt_truncated_and_misplaced_entries_are_never_served(
         before = cache.stats()
         assert cache.get_embeddings(list(cases)) == [None] * len(cases)
         assert cache.stats().corrupt - before.corrupt == len(cases)
-    finally:
-        store.close()
 
 
 def test_a_second_process_reads_what_the_first_wrote(

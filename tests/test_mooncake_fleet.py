@@ -35,7 +35,7 @@ from mmkey.testing.fleet import (
     running_fleet,
 )
 from mmkey.testing.pytest_plugin import REQUIRE_ENV
-from _support import wait_until
+from _support import raw_client, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -56,12 +56,8 @@ def value(i: int) -> torch.Tensor:
 @pytest.fixture
 def store(mooncake_fleet: Fleet) -> Iterator[object]:
     """A pure client of the fleet on the raw binding, to see where entries landed."""
-    from mooncake.store import MooncakeDistributedStore
-
-    client = MooncakeDistributedStore()
-    assert client.setup(*mooncake_fleet.client_config().setup_args()) == 0
-    yield client
-    client.close()
+    with raw_client(mooncake_fleet.client_config()) as client:
+        yield client
 
 
 def write(fleet: Fleet, keys: list[EmbeddingKey], replica_num: int = 1) -> MooncakeCache:
@@ -264,16 +260,13 @@ def test_thread_and_async_readers_keep_hitting_while_a_holder_is_paused(
 
 
 def test_a_partitioned_holder_is_quarantined_and_readmitted(mooncake_fleet_netns: Fleet) -> None:
-    from mooncake.store import MooncakeDistributedStore
-
     fleet = mooncake_fleet_netns
-    raw = MooncakeDistributedStore()
-    assert raw.setup(*fleet.client_config().setup_args()) == 0
     keys = [key(4000 + i) for i in range(40)]
     writer = write(fleet, keys)
     reader = reader_of(fleet)
     try:
-        healthy, on_victim = split(placement(fleet, raw, keys), fleet.holders[0])
+        with raw_client(fleet.client_config()) as raw:
+            healthy, on_victim = split(placement(fleet, raw, keys), fleet.holders[0])
         fleet.holders[0].partition()
         sweeps = [Sweep(reader, keys) for _ in range(2)]
         for sweep in sweeps:
@@ -286,7 +279,6 @@ def test_a_partitioned_holder_is_quarantined_and_readmitted(mooncake_fleet_netns
             fleet.holders[0].heal()
         reader.close()
         writer.close()
-        raw.close()
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ memory and read back, verified, into caller memory."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -162,16 +163,20 @@ def test_read_into_writes_only_verified_entries_of_the_targets_shape(cache: Moon
     assert same(dst[0:16], src[:16]) and same(torch.cat([dst[30:40], dst[50:56]]), src[:16])
 
 
-def test_a_corrupted_entry_leaves_the_targets_untouched(cache: MooncakeCache) -> None:
+def test_a_corrupted_entry_leaves_the_targets_untouched_and_is_logged(
+    cache: MooncakeCache, caplog: pytest.LogCaptureFixture
+) -> None:
     k = key(400)
     good = encode_entry(k.to_key(), pool(8, seed=4))
     bad = bytearray(good)
     bad[-1] ^= 0x01
     cache._transport.meta(lambda store: store.upsert(k.to_key(), bytes(bad)), cache._give_up())
     dst = torch.zeros(8, DIM, dtype=torch.bfloat16)
-    assert cache.read_into([k], [dst]) == [False]
+    with caplog.at_level(logging.WARNING, logger="mmkey.cache.mooncake"):
+        assert cache.read_into([k], [dst]) == [False]
     assert not dst.any()
     assert cache.stats().corrupt == 1
+    assert "did not verify, served as misses: 1 corrupt" in caplog.text
 
 
 def test_signed_entries_from_pages_verify_and_foreign_secrets_are_forged(

@@ -69,7 +69,7 @@ def test_distinct_lanes_within_one_round(transport: StoreTransport) -> None:
 def test_skips_are_logged_at_most_once_per_period(caplog: pytest.LogCaptureFixture) -> None:
     from mmkey.cache import mooncake
 
-    log = mooncake._SkipLog()
+    log = mooncake._SummaryLog("Mooncake calls answered as misses without the store: %s")
     with caplog.at_level("WARNING", logger="mmkey.cache.mooncake"):
         for _ in range(50):
             log.note("holder quarantined")

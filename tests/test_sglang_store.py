@@ -6,13 +6,14 @@ MMKEY_REQUIRE_SGLANG=1.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from _support import count_multi_buffer_puts, local_config
+from _support import count_multi_buffer_puts, local_config, raw_client
 from sglang_support import MiB, require_sglang, unpinned_controller, wait_until
 
 require_sglang()
@@ -100,6 +101,19 @@ def fetch(
     return found
 
 
+@contextlib.contextmanager
+def two_encoders(
+    make_store: Callable[..., MMKeyEmbeddingStore],
+) -> Iterator[tuple[MMKeyEmbeddingStore, EmbeddingCacheController, MMKeyEmbeddingStore, EmbeddingCacheController]]:
+    """Two encode servers of one fleet: a writer and a reader, each SGLang's controller on a
+    store of its own (``writer_store, writer, reader_store, reader``)."""
+    writer_store, reader_store = make_store(), make_store()
+    with unpinned_controller(writer_store, DIMS, DTYPE) as writer, unpinned_controller(
+        reader_store, DIMS, DTYPE
+    ) as reader:
+        yield writer_store, writer, reader_store, reader
+
+
 def embedding(tokens: int, dim: int, seed: int) -> torch.Tensor:
     return torch.randn(tokens, dim, generator=torch.Generator().manual_seed(seed)).to(DTYPE)
 
@@ -148,11 +162,8 @@ def test_missing_namespace_is_a_startup_error_naming_the_variable(
 
 
 def test_paged_round_trip_through_sglang_controllers(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
-    writer_store, reader_store = make_store(), make_store()
     image = SGLangModality.IMAGE
-    with unpinned_controller(writer_store, DIMS, DTYPE) as writer, unpinned_controller(
-        reader_store, DIMS, DTYPE
-    ) as reader:
+    with two_encoders(make_store) as (writer_store, writer, reader_store, reader):
         pool = writer.vision_pool
         # fragment the writer's pool so one embedding spans two page runs
         fillers = [f"{9000 + i}" for i in range(pool.num_pages)]
@@ -184,11 +195,8 @@ def test_puts_go_straight_from_the_pool_pages_and_existing_entries_are_replaced(
     make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     puts = count_multi_buffer_puts(monkeypatch)
-    writer_store, reader_store = make_store(), make_store()
     image = SGLangModality.IMAGE
-    with unpinned_controller(writer_store, DIMS, DTYPE) as writer, unpinned_controller(
-        reader_store, DIMS, DTYPE
-    ) as reader:
+    with two_encoders(make_store) as (writer_store, writer, reader_store, reader):
         pool = writer.vision_pool
         region = writer_store.cache._transport.region_of(pool.tensor.data_ptr(), 1)
         assert region is not None and region.tensor is pool.tensor  # registered with Mooncake
@@ -214,11 +222,8 @@ def test_puts_go_straight_from_the_pool_pages_and_existing_entries_are_replaced(
 
 
 def test_audio_pool_round_trip_and_exists_in_any_pool(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
-    writer_store, reader_store = make_store(), make_store()
     audio = SGLangModality.AUDIO
-    with unpinned_controller(writer_store, DIMS, DTYPE) as writer, unpinned_controller(
-        reader_store, DIMS, DTYPE
-    ) as reader:
+    with two_encoders(make_store) as (writer_store, writer, reader_store, reader):
         clip = embedding(700, 32, 7)
         fill(writer, "77", clip, audio)
         publish(writer, ["77"], audio)
@@ -231,14 +236,6 @@ def test_audio_pool_round_trip_and_exists_in_any_pool(make_store: Callable[..., 
 # -- what never verifies ------------------------------------------------------------------------
 
 
-def raw_client(master: MasterProcess) -> object:
-    from mooncake.store import MooncakeDistributedStore
-
-    raw = MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", master.address) == 0
-    return raw
-
-
 def pages(store: MMKeyEmbeddingStore, tokens: int, dim: int = 64) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
     """A registered vision pool and one run of `tokens` rows at its start."""
     pool = torch.zeros(4096, dim, dtype=DTYPE)
@@ -249,21 +246,15 @@ def pages(store: MMKeyEmbeddingStore, tokens: int, dim: int = 64) -> tuple[torch
 def test_corrupted_stored_bytes_are_a_counted_miss(
     make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess
 ) -> None:
-    from mooncake.store import MooncakeDistributedStore
-
     writer, reader = make_store(), make_store()
     src, ptrs, sizes = pages(writer, 100)
     src[:100] = embedding(100, 64, 1)
     assert writer.batch_put_from_multi_buffers(["5"], ptrs, sizes) == [True]
     key = writer.get_key("5")
-    raw = raw_client(mooncake_master_session)
-    assert isinstance(raw, MooncakeDistributedStore)
-    try:
+    with raw_client(local_config(mooncake_master_session, global_segment_size=0)) as raw:
         entry = bytearray(raw.get(key))
         entry[-3] ^= 0x40  # one bit of the payload
         assert raw.upsert(key, bytes(entry)) == 0
-    finally:
-        raw.close()
     dst, ptrs, sizes = pages(reader, 100)
     assert reader.batch_get_into_multi_buffers(["5"], ptrs, sizes) == [False]
     assert reader.stats().corrupt == 1
@@ -273,8 +264,6 @@ def test_corrupted_stored_bytes_are_a_counted_miss(
 def test_entry_of_another_namespace_is_a_miss_and_never_served(
     make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess
 ) -> None:
-    from mooncake.store import MooncakeDistributedStore
-
     ours, theirs = make_store("model-a"), make_store("model-b")
     src, ptrs, sizes = pages(theirs, 10)
     src[:10] = embedding(10, 64, 2)
@@ -283,12 +272,8 @@ def test_entry_of_another_namespace_is_a_miss_and_never_served(
     assert ours.batch_is_exist(["6"]) == [False]
     assert ours.batch_get_into_multi_buffers(["6"], ptrs, sizes) == [False]
     # their entry copied under our key: the key echo in the entry refuses it
-    raw = raw_client(mooncake_master_session)
-    assert isinstance(raw, MooncakeDistributedStore)
-    try:
+    with raw_client(local_config(mooncake_master_session, global_segment_size=0)) as raw:
         assert raw.upsert(ours.get_key("6"), raw.get(theirs.get_key("6"))) == 0
-    finally:
-        raw.close()
     assert ours.batch_get_into_multi_buffers(["6"], ptrs, sizes) == [False]
     assert ours.stats().corrupt == 1
     assert not dst.any()

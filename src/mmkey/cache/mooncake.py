@@ -122,11 +122,9 @@ def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, l
         yield chunk
 
 
-def _target_runs(
-    values: object, count: int, what: str = "targets"
-) -> list[list[torch.Tensor]]:
-    """One list of payload runs per key (see `read_into`), checked before anything moves."""
-    function = "read_into" if what == "targets" else "insert_from"
+def _target_runs(values: object, count: int, function: str, what: str) -> list[list[torch.Tensor]]:
+    """One list of payload runs per key (see `read_into`), checked before anything moves;
+    errors name `function` and `what`."""
     if not isinstance(values, (list, tuple)):
         raise TypeError(
             f"{function}() takes a list of {what} (one per key), got {type(values).__name__}"
@@ -145,10 +143,12 @@ def _read_from(replicas: Sequence[ReplicaDescriptor]) -> str | None:
     return None
 
 
-class _SkipLog:
-    """Logs calls answered without the store, at most once per `_LOG_EVERY_S` seconds."""
+class _SummaryLog:
+    """Counts events by reason and logs a summary of them at most once per `_LOG_EVERY_S`
+    seconds (`template` takes the summary)."""
 
-    def __init__(self) -> None:
+    def __init__(self, template: str) -> None:
+        self._template = template
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._last = 0.0
@@ -161,7 +161,7 @@ class _SkipLog:
                 return
             counts, self._counts, self._last = self._counts, {}, now
         summary = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
-        _LOG.warning("Mooncake calls answered as misses without the store: %s", summary)
+        _LOG.warning(self._template, summary)
 
 
 class _Counters:
@@ -235,7 +235,8 @@ class MooncakeCache:
         self._keyring = keyring_for_cache(keyring, "MooncakeCache")
         self._counts = _Counters()
         self._closed = False
-        self._skips = _SkipLog()
+        self._skips = _SummaryLog("Mooncake calls answered as misses without the store: %s")
+        self._refusals = _SummaryLog("Mooncake entries that did not verify, served as misses: %s")
         self._transport = StoreTransport(
             config, MooncakeDistributedStore, self._counts.error, self._skipped_by_breaker
         )
@@ -351,7 +352,7 @@ class MooncakeCache:
         must not land in memory the caller has since reused.
         """
         texts = self._texts(keys, "read_into")
-        plans = _target_runs(targets, len(texts))
+        plans = _target_runs(targets, len(texts), "read_into", "targets")
         landed: set[int] = set()
         by_text: dict[str, list[int]] = {}  # a key given twice fills both targets
         for i, text in enumerate(texts):
@@ -367,7 +368,7 @@ class MooncakeCache:
                 else:
                     landed.add(i)
             if refused is not None:  # counted once per entry read
-                self._counts.add(**{"forged" if isinstance(refused, ForgedEntry) else "corrupt": 1})
+                self._refused(refused)
 
         if by_text:
             self._read(list(by_text), self._give_up(), sink)
@@ -394,7 +395,7 @@ class MooncakeCache:
         """
         self._check_open()
         texts = key_texts(keys, "insert_from")
-        plans = _target_runs(payloads, len(texts), what="payloads")
+        plans = _target_runs(payloads, len(texts), "insert_from", "payloads")
         latest = dict(zip(texts, plans))
         stored = self._write_from(latest, self._give_up()) if latest else {}
         self._counts.add(inserts=sum(stored.values()))
@@ -482,10 +483,10 @@ class MooncakeCache:
             return
         too_big: dict[str, list[str]] = {}
         taken: set[int] = set()
-        moving: set[str] = set()  # holders with a transfer under way: one each at a time
         inflight: deque[tuple[str, list[str], int, Pending[tuple[memoryview, list[int]]]]] = deque()
 
         def submit_more() -> None:
+            moving = {endpoint for endpoint, *_ in inflight}  # one transfer per holder at a time
             for endpoint in [e for e in groups if e not in moving]:
                 if time.monotonic() >= give_up:
                     return
@@ -503,7 +504,6 @@ class MooncakeCache:
                     self._transfer_on_worker, chunk=chunk, slot=slot, give_up=give_up
                 )
                 inflight.append((endpoint, chunk, slot, self._transport.submit(lane, work)))
-                moving.add(endpoint)
 
         submit_more()
         if groups and not inflight and time.monotonic() < give_up:
@@ -515,7 +515,6 @@ class MooncakeCache:
             outcome = self._transport.finish(
                 pending_transfer, give_up, abandoned=functools.partial(_release, lane.staging)
             )
-            moving.discard(endpoint)
             if isinstance(outcome, BaseException):
                 self._holder_failed(endpoint, chunk, outcome)
                 groups.pop(endpoint, None)
@@ -726,10 +725,14 @@ class MooncakeCache:
         """A `_Sink` that decodes into `found` (aliasing `raw` when it is `owned`)."""
         try:
             found[text] = decode_entry(text, raw, copy=not owned, keyring=self._keyring)
-        except ForgedEntry:
-            self._counts.add(forged=1)
-        except CorruptEntry:
-            self._counts.add(corrupt=1)
+        except CorruptEntry as exc:  # ForgedEntry included
+            self._refused(exc)
+
+    def _refused(self, exc: CorruptEntry) -> None:
+        """Count and (rate-limited) log an entry that did not verify."""
+        forged = isinstance(exc, ForgedEntry)
+        self._counts.add(**{"forged" if forged else "corrupt": 1})
+        self._refusals.note("forged (MAC)" if forged else "corrupt or not the expected shape")
 
     def _write(
         self, texts: list[str], tensors: list[torch.Tensor], give_up: float
