@@ -24,7 +24,7 @@ $(BIN)/python:
 
 $(VENV)/.runtime: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e ".[cli]"
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.runtime

@@ -46,7 +46,7 @@ import tomllib
 
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-wanted = [r for name in ("testing", "metrics") for r in extras.get(name, [])]
+wanted = [r for name in ("cli", "testing", "metrics") for r in extras.get(name, [])]
 for requirement in project["dependencies"] + wanted + ["pytest-timeout>=2.2"]:
     if not requirement.replace(" ", "").startswith("torch"):
         print(requirement)

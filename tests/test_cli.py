@@ -120,6 +120,24 @@ def test_key_does_not_load_torch() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.parametrize("absent", [("click",), ("rich",), ("click", "rich")])
+def test_without_the_cli_extra_mmkey_names_the_install_command(absent: tuple[str, ...]) -> None:
+    # a module set to None in sys.modules is one that cannot be found
+    code = (
+        "import sys\n"
+        f"for name in {absent!r}: sys.modules[name] = None\n"
+        "from mmkey.cli import main\n"
+        f"sys.argv = ['mmkey', 'key', {KEY.to_key()!r}]\n"
+        "main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc
+    assert proc.stdout == ""
+    assert "pip install 'mmkey[cli]'" in proc.stderr
+    assert " and ".join(absent) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 # mmkey hash
 
 

@@ -43,3 +43,26 @@ def test_hash_bytes_does_not_load_torch() -> None:
         "import mmkey\nassert mmkey.hash_bytes(b'x') == mmkey.hash_bytes(bytearray(b'x'))"
     )
     assert "torch" not in loaded and "xxhash" not in loaded
+
+
+def test_import_mmkey_leaves_the_mooncake_client_unloaded_until_named() -> None:
+    loaded = imported_after("import mmkey")
+    assert not {"mmkey.cache.mooncake", "mmkey.cache._mooncake_transport"} & loaded
+    named = imported_after("import mmkey\nmmkey.MooncakeCache")
+    assert "mmkey.cache.mooncake" in named  # the control: naming it loads it
+
+
+def test_the_library_never_imports_the_cli_extra() -> None:
+    loaded = imported_after(
+        "import mmkey, mmkey.cache.mooncake, mmkey.cache.tiered, mmkey.cache.aio, mmkey.metrics\n"
+        "mmkey.MooncakeCache"
+    )
+    assert not {"click", "rich"} & loaded, {"click", "rich"} & loaded
+    assert "click" in imported_after("import mmkey.cli._group")  # the control
+
+
+def test_unknown_names_are_attribute_errors() -> None:
+    import pytest
+
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        _ = mmkey.NoSuchName  # type: ignore[attr-defined]

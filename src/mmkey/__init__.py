@@ -2,15 +2,17 @@
 
 A digest is an `MMHash`; the only road from it to a store key is an `EmbeddingKey` and
 its `to_key()`; every cache takes `CacheKey` objects only. Importing mmkey imports
-neither torch nor mooncake: they load when a function needs them.
+neither torch nor mooncake: they load when a function needs them, and the Mooncake
+client (`MooncakeCache`) loads on first use of its name.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mmkey.cache.aio import AsyncCache
 from mmkey.cache.auth import EntryKeyring, EntrySecret
 from mmkey.cache.memory import MemoryCache
-from mmkey.cache.mooncake import MooncakeCache
 from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.cache.protocol import AsyncEmbeddingCache, CacheStats, EmbeddingCache
 from mmkey.cache.tiered import TieredCache
@@ -26,6 +28,9 @@ from mmkey.errors import (
 )
 from mmkey.hashing import hash_bytes, hash_tensor, identifier_digest
 from mmkey.keys import CacheKey, EmbeddingKey
+
+if TYPE_CHECKING:
+    from mmkey.cache.mooncake import MooncakeCache
 
 __version__ = "0.1.0.dev0"
 
@@ -57,3 +62,15 @@ __all__ = [
     "identifier_digest",
     "mm_hash",
 ]
+
+
+if not TYPE_CHECKING:
+    # hidden from type checkers, so a misspelt name stays a type error
+
+    def __getattr__(name: str) -> object:
+        # the Mooncake client (its transport threads and exit hook) loads when first named
+        if name == "MooncakeCache":
+            from mmkey.cache.mooncake import MooncakeCache
+
+            return MooncakeCache
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
