@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
 import logging
 import uuid
 from collections.abc import Iterator
@@ -77,8 +79,9 @@ def test_tenants_do_not_isolate_keys(
 
 # -- MooncakeCache with a fleet secret --------------------------------------------------------
 
-SECRET = b"fleet secret of the mooncake tests, 32+ bytes"
+SECRET = hashlib.sha256(b"fleet secret of the mooncake tests").digest()
 RING = EntryKeyring.from_secrets(SECRET)
+LATER = dt.datetime(2999, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def key(i: int) -> EmbeddingKey:
@@ -121,7 +124,7 @@ def test_an_authenticated_reader_never_serves_entries_written_without_the_secret
         assert plain.insert_batch([key(4)], [evil]) == [True]  # mmkey without the secret
         got = plain.get_embeddings([key(1)])[0]  # a reader without it serves signed entries
         assert got is not None and torch.equal(got, genuine)
-    other = EntryKeyring.from_secrets(b"some other fleet's secret, 32 bytes+")
+    other = EntryKeyring.from_secrets(hashlib.sha256(b"some other fleet's secret").digest())
     with MooncakeCache(config(mooncake_master_session, global_segment_size=0), keyring=other) as them:
         assert them.insert_batch([key(5)], [evil]) == [True]  # a wrong secret
     moved = raw_store.get(key(1).to_key())
@@ -130,26 +133,28 @@ def test_an_authenticated_reader_never_serves_entries_written_without_the_secret
     assert found[0] is not None and torch.equal(found[0], genuine)
     assert found[1:] == [None] * 5
     stats = signed.stats()
-    assert (stats.hits, stats.misses, stats.forged, stats.corrupt) == (1, 5, 4, 1)
+    assert (stats.hits, stats.misses, stats.forged, stats.corrupt) == (1, 5, 5, 0)
+    assert (stats.unsigned, stats.unknown_key, stats.bad_mac, stats.expired) == (3, 1, 1, 0)
 
 
 def test_rotation_and_the_migration_window_through_the_store(
     mooncake_master_session: MasterProcess, raw_store: MooncakeDistributedStore
 ) -> None:
-    old, new = b"the secret before the rotation, 32+ b", b"the secret after the rotation, 32+ by"
+    old, new = hashlib.sha256(b"before the rotation").digest(), hashlib.sha256(b"after").digest()
     t_old, t_new, t_plain = torch.randn(8), torch.randn(8), torch.randn(8)
     cfg = config(mooncake_master_session)
     with MooncakeCache(cfg, keyring=EntryKeyring.from_secrets(old)) as before:
         assert before.insert_batch([key(10)], [t_old]) == [True]
         forge(raw_store, key(12), t_plain)
-        rotated = EntryKeyring.from_secrets(new, old, accept_unauthenticated=True)
+        rotated = EntryKeyring.from_secrets(new, (old, LATER), migrate_until=LATER)
         with MooncakeCache(attrs.evolve(cfg, global_segment_size=0), keyring=rotated) as during:
             assert during.insert_batch([key(11)], [t_new]) == [True]
             got = during.get_embeddings([key(10), key(11), key(12)])
             wanted = (t_old, t_new, t_plain)
             assert all(t is not None and torch.equal(t, w) for t, w in zip(got, wanted))
             assert before.get_embeddings([key(11)]) == [None]  # not yet given the new secret
-            assert before.stats().forged == 1
+            assert before.stats().forged == before.stats().unknown_key == 1
+            assert during.stats().unsigned_served == 1
 
 
 def test_a_forged_far_entry_never_reaches_or_displaces_the_near_tier(
@@ -182,7 +187,7 @@ def test_mooncake_cache_keeps_the_secret_out_of_sight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    text = "mooncake test secret, never to be shown"
+    text = hashlib.sha256(b"mooncake test secret, never to be shown").hexdigest()
     monkeypatch.setenv(ENV_SECRET, text)
     ring = EntryKeyring.from_secrets(text)
     t = torch.randn(4)

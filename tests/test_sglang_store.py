@@ -7,6 +7,7 @@ MMKEY_REQUIRE_SGLANG=1.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -413,9 +414,9 @@ def test_no_master_at_start_is_a_degraded_store_not_a_hang(
 def test_fleet_secret_from_the_environment_signs_and_checks_entries(
     make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MMKEY_ENTRY_KEY", "a fleet secret of at least thirty-two bytes")
+    monkeypatch.setenv("MMKEY_ENTRY_KEY", hashlib.sha256(b"a fleet secret").hexdigest())
     writer, reader = make_store(), make_store()
-    monkeypatch.setenv("MMKEY_ENTRY_KEY", "another fleet's secret, also 32 bytes or more")
+    monkeypatch.setenv("MMKEY_ENTRY_KEY", hashlib.sha256(b"another fleet").hexdigest())
     stranger = make_store()
     src, ptrs, sizes = pages(writer, 12)
     src[:12] = embedding(12, 64, 5)

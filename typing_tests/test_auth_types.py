@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import torch
 from typing_extensions import assert_type
 
@@ -11,7 +13,7 @@ from mmkey.cache.codec import decode_entry, encode_entry, entry_size
 
 
 def keyrings_are_accepted(config: MooncakeConfig, t: torch.Tensor) -> None:
-    ring = EntryKeyring.from_secrets(b"x" * 32, "a previous secret as text, 32 bytes")
+    ring = EntryKeyring.from_secrets(b"x" * 32, ("ab" * 32, datetime(2999, 1, 1, tzinfo=timezone.utc)))
     MemoryCache(1 << 20, keyring=ring)
     MemoryCache(1 << 20, keyring=None)
     MemoryCache(1 << 20, keyring=FROM_ENV)
@@ -31,3 +33,4 @@ def a_secret_is_not_a_keyring(t: torch.Tensor, secret: EntrySecret) -> None:
     encode_entry("k", t, keyring="a secret")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     MemoryCache(1 << 20, EntryKeyring.from_secrets(b"x" * 32))  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
     EntryKeyring.from_secrets(12345)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    EntryKeyring.from_secrets(b"x" * 32, b"y" * 32)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
