@@ -49,6 +49,7 @@ import ctypes
 import hmac
 import math
 import struct
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -633,6 +634,25 @@ def verify_entry(
     return out, keyring is not None and secret is None
 
 
+_SCRATCH_KEPT = 64 << 20
+"""Scratch memory up to this size is kept per thread for the next read."""
+_scratch_of = threading.local()
+
+
+def _scratch(nbytes: int, rt: _Runtime) -> torch.Tensor:
+    """Private bytes (at least `nbytes`) for verifying an entry before it goes to caller
+    memory: this thread's buffer, reused while it fits (no fresh pages to fault in)."""
+    kept: torch.Tensor | None = getattr(_scratch_of, "buffer", None)
+    if kept is not None and kept.numel() >= nbytes:
+        return kept
+    import torch
+
+    buffer = rt.blank[torch.uint8].new_empty(max(nbytes, 1))
+    if nbytes <= _SCRATCH_KEPT:
+        _scratch_of.buffer = buffer
+    return buffer
+
+
 def _copy_hashing(target: memoryview, source: memoryview, hasher: Any) -> None:
     """Copy `source` into `target` chunk by chunk, hashing each chunk of the copy while it
     is in cache: the hash covers exactly the bytes `target` ends up with."""
@@ -720,7 +740,7 @@ def verify_entry_into(
     parsed = _parse_as(view, key, raw_key, rt, keyring)
     verifier, expected, secret = _verifier(parsed, key, keyring)
     payload = parsed.payload_size
-    scratch = rt.blank[parsed.dtype].new_empty(parsed.shape)
+    scratch = _scratch(payload, rt)
     if payload:
         private = rt.memory_view(scratch.data_ptr(), payload, _PyBUF_WRITE)
         _copy_hashing(private, view[parsed.header_size :], verifier)
@@ -731,14 +751,11 @@ def verify_entry_into(
             f"take {targets.dtype} {targets.shape}"
         )
     if payload:
-        import torch
-
-        source = scratch.reshape(-1).view(torch.uint8)
         at = 0
         for run in targets.tensors:
             size = run.numel() * run.element_size()
             if size:
-                run.view(-1).view(torch.uint8).copy_(source[at : at + size])
+                rt.memory_view(run.data_ptr(), size, _PyBUF_WRITE)[:] = private[at : at + size]
             at += size
     return keyring is not None and secret is None
 
