@@ -24,7 +24,7 @@ import torch
 
 from mmkey import EmbeddingKey, EntryKeyring, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.testing.mooncake_master import MasterProcess
-from _support import MiB, local_config, raw_client
+from _support import MiB, count_multi_buffer_puts, local_config, raw_client
 
 sys.path.insert(0, str(Path(__file__).parent))
 from registered_memory_writer import FILL, describe  # noqa: E402
@@ -124,3 +124,19 @@ def test_a_stranger_writing_into_every_registered_buffer_never_gets_its_bytes_se
     fill = torch.frombuffer(bytearray([FILL] * 4), dtype=torch.float32).item()
     assert not any(bool((t == fill).any()) for t in genuine)  # the control
     print(f"stranger {report}; served {served}, refused {refused}; {stats}")
+
+
+def test_without_trusted_network_pools_are_not_registered_and_puts_go_through_staging(
+    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    multi_buffer_puts = count_multi_buffer_puts(monkeypatch)
+    pool = torch.randn(64, 32)
+    with MooncakeCache(local_config(mooncake_master_session, deadline=5.0), keyring=RING) as cache:
+        assert not cache.config.trusted_network
+        cache.register_memory(pool)
+        cache.register_memory(pool)  # nothing recorded: no overlap either
+        assert cache.insert_from([key(900)], [[pool[:8], pool[16:24]]]) == [True]
+        out = torch.zeros(16, 32)
+        assert cache.read_into([key(900)], [out]) == [True]
+        assert torch.equal(out, torch.cat([pool[:8], pool[16:24]]))
+    assert multi_buffer_puts == []  # never straight from the pool
