@@ -323,6 +323,7 @@ def test_wrong_secret_and_a_claimed_secret_id() -> None:
     with pytest.raises(ForgedEntry, match="does not hold") as info:
         decode_entry(TEXT, entry, keyring=RING)
     assert info.value.reason == "unknown_key"
+    assert pickle.loads(pickle.dumps(info.value)).reason == "unknown_key"
     claimed = bytearray(entry)
     claimed[72:80] = RING.current.key_id  # the id is public: a forger can name our secret
     with pytest.raises(ForgedEntry, match="fails its MAC"):

@@ -49,6 +49,9 @@ class ForgedEntry(CorruptEntry):
         super().__init__(message)
         self.reason: ForgedReason = reason
 
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), self.args, {"reason": self.reason})
+
 
 class StoreError(MMKeyError):
     """The backing store failed, timed out or could not be set up."""

@@ -685,13 +685,21 @@ class MooncakeCache:
 
     def _probe_quarantined(self) -> None:
         for endpoint, keys in self._transport.quarantine.due_probes():
-            probe = functools.partial(self._probe_on_worker, endpoint=endpoint, keys=keys)
+            probe = functools.partial(
+                self._probe_on_worker,
+                endpoint=endpoint,
+                keys=keys,
+                limit=self._config.max_entry_size,
+            )
             self._transport.probe(probe, endpoint)
 
     @staticmethod
-    def _probe_on_worker(store: MooncakeDistributedStore, endpoint: str, keys: list[str]) -> bool:
+    def _probe_on_worker(
+        store: MooncakeDistributedStore, endpoint: str, keys: list[str], limit: int
+    ) -> bool:
         """Whether a quarantined holder may be read again: the master no longer lists it for
-        the keys it failed on, or one of them reads back from it in full."""
+        the keys it failed on, or one of them (no larger than `limit`) reads back from it
+        in full."""
         import torch
 
         placed = store.batch_get_replica_desc(keys)
@@ -700,7 +708,7 @@ class MooncakeCache:
             _LOG.warning("Mooncake holder %s re-admitted: the master no longer lists it", endpoint)
             return True
         size = store.get_size(listed[0])
-        if size <= 0:
+        if size <= 0 or size > limit:
             return False
         buf = torch.empty(size, dtype=torch.uint8)
         with _registered(store, buf) as ptr:
