@@ -628,6 +628,7 @@ def test_memory_cache_counts_forged_entries_apart_and_drops_them() -> None:
     assert got[1] is None
     stats = cache.stats()
     assert (stats.hits, stats.misses, stats.forged, stats.corrupt) == (1, 1, 1, 0)
+    assert (stats.unsigned, stats.unknown_key, stats.expired, stats.bad_mac) == (1, 0, 0, 0)
     assert cache.batch_is_exist([KEY, OTHER]) == [True, False]
     assert held_before is not None and stats.bytes_held is not None  # a MemoryCache knows
     assert held_before - stats.bytes_held == len(forged_entry)  # dropped

@@ -7,6 +7,7 @@ MMKEY_REQUIRE_SGLANG=1.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -49,8 +50,11 @@ def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
 def make_store(mooncake_master_session: MasterProcess) -> Iterator[Callable[..., MMKeyEmbeddingStore]]:
     made: list[MMKeyEmbeddingStore] = []
 
-    def make(namespace: str = NAMESPACE, master: MasterProcess | None = None) -> MMKeyEmbeddingStore:
-        store = MMKeyEmbeddingStore(namespace=namespace, config=config(master or mooncake_master_session))
+    def make(
+        namespace: str = NAMESPACE, master: MasterProcess | None = None, **overrides: object
+    ) -> MMKeyEmbeddingStore:
+        cfg = config(master or mooncake_master_session, **overrides)
+        store = MMKeyEmbeddingStore(namespace=namespace, config=cfg)
         made.append(store)
         return store
 
@@ -197,7 +201,8 @@ def test_puts_go_straight_from_the_pool_pages_and_existing_entries_are_replaced(
 ) -> None:
     puts = count_multi_buffer_puts(monkeypatch)
     image = SGLangModality.IMAGE
-    with two_encoders(make_store) as (writer_store, writer, reader_store, reader):
+    trusted = functools.partial(make_store, trusted_network=True)  # pools registered only then
+    with two_encoders(trusted) as (writer_store, writer, reader_store, reader):
         pool = writer.vision_pool
         region = writer_store.cache._transport.region_of(pool.tensor.data_ptr(), 1)
         assert region is not None and region.tensor is pool.tensor  # registered with Mooncake
