@@ -13,12 +13,13 @@ An entry is a header followed by the tensor's bytes. All integers are little-end
     12      4         reserved (0)
     16      8         payload length P in bytes
     24      16        checksum: XXH3-128 (canonical, big-endian) of bytes [0, 24) and [C, H + P)
-    -- authenticated entries only (flag 1); C = 72 and S = 80 for them, C = S = 40 otherwise:
+    -- authenticated entries only (flags 1 and 3); C = 72 and S = 80 (88 with flag 3) for
+    -- them, C = S = 40 otherwise:
     40      32        MAC: BLAKE3 keyed hash (under the MAC key derived from the secret) of
                       bytes [0, 40) and [72, H), then the 32-byte BLAKE3 hash of the payload:
                       every byte of the entry but the MAC's own, checksum included
     72      8         id of the secret whose derived MAC key made the MAC
-    -- entries with an issue time (flag 3) only; then S = 88:
+    -- entries with an issue time (flag 3) only, which writers with a secret make:
     80      8         issued-at: seconds since the epoch (UTC) when the entry was signed
     --
     S       8*ndim    shape, one u64 per dimension
