@@ -296,7 +296,9 @@ class MooncakeCache:
     def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """The verified embedding of each key, or None (a miss, a corrupt entry, a fault).
 
-        A key given twice gets two distinct tensors.
+        Each tensor holds exactly the bytes that verified, copied out of the registered
+        staging buffer as they were hashed. Entries larger than ``config.max_entry_size``
+        are misses, never fetched. A key given twice gets two distinct tensors.
         """
         texts = self._texts(keys, "get_embeddings")
         unique = list(dict.fromkeys(texts))
