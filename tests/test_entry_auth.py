@@ -481,6 +481,7 @@ def write_secret(path: Path, text: str, mode: int = 0o600) -> Path:
         ({ENV_SECRET: SECRET.hex(), ENV_PREVIOUS: "/x"}, "path>@<ISO-8601"),
         ({ENV_SECRET: SECRET.hex(), ENV_PREVIOUS: "/x@tomorrow"}, "ISO-8601 UTC"),
         ({ENV_SECRET: SECRET.hex(), ENV_PREVIOUS: "/x@2999-01-01T00:00:00+02:00"}, "ISO-8601 UTC"),
+        ({ENV_SECRET: SECRET.hex(), ENV_PREVIOUS: "/x@2999-01-01T00:00:00"}, "ISO-8601 UTC"),
         ({ENV_AUTH: "yes"}, "required, migrate or off"),
         ({ENV_AUTH: "migrate", ENV_SECRET: SECRET.hex()}, "go together"),
         ({ENV_MIGRATE_UNTIL: "2999-01-01T00:00:00Z", ENV_SECRET: SECRET.hex()}, "go together"),

@@ -120,8 +120,11 @@ FROM_ENV: Final = FromEnv.FROM_ENV
 
 def parse_utc(text: str, what: str) -> dt.datetime:
     """An ISO-8601 time with a UTC offset (``Z`` or ``+00:00``) as an aware datetime."""
+    stripped = text.strip()
+    if stripped.endswith(("Z", "z")):  # Python 3.10's parser does not take the Z suffix
+        stripped = stripped[:-1] + "+00:00"
     try:
-        when = dt.datetime.fromisoformat(text.strip())
+        when = dt.datetime.fromisoformat(stripped)
     except ValueError:
         when = None
     if when is None or when.utcoffset() != dt.timedelta(0):
