@@ -29,3 +29,13 @@ def pytest_configure(config: pytest.Config) -> None:
     if manager.is_blocked("mmkey") or manager.has_plugin("mmkey") or manager.has_plugin(_MMKEY_PLUGIN):
         return
     manager.import_plugin(_MMKEY_PLUGIN)
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_entry_secret_taken_from_the_environment() -> object:
+    """A secret read from ``MMKEY_ENTRY_KEY`` stays with the process once the variable is
+    removed; each test starts without one."""
+    yield
+    from mmkey.cache import auth
+
+    auth._forget_taken_secret()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from hypothesis import settings
 
 from mmkey import EntryKeyring, MemoryCache, TieredCache
@@ -43,8 +45,8 @@ TestTieredNested = make_cache_state_machine(
 ).TestCase
 TestTieredNested.settings = MODEL_SETTINGS
 
-_RING_A = EntryKeyring.from_secrets(b"model test secret A, 32 bytes long")
-_RING_B = EntryKeyring.from_secrets(b"model test secret B, 32 bytes long")
+_RING_A = EntryKeyring.from_secrets(hashlib.sha256(b"model test secret A").digest())
+_RING_B = EntryKeyring.from_secrets(hashlib.sha256(b"model test secret B").digest())
 
 TestTieredSignedEvicting = make_cache_state_machine(
     lambda: TieredCache(MemoryCache(1024, keyring=_RING_A), MemoryCache(SMALL, keyring=_RING_B)),

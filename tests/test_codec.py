@@ -26,7 +26,7 @@ from mmkey.cache.codec import (
     entry_size,
     peek_header,
 )
-from mmkey.cache.codec import _DIGEST_AT, _FUSED_MAX
+from mmkey.cache.codec import _CHUNK, _DIGEST_AT
 
 KEY = EmbeddingKey("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(7)).to_key()
 OTHER = EmbeddingKey("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(8)).to_key()
@@ -289,9 +289,9 @@ def test_importing_the_codec_loads_neither_torch_nor_xxhash() -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
-@pytest.mark.parametrize("payload", [_FUSED_MAX - 8, _FUSED_MAX, _FUSED_MAX + 8, 3 * _FUSED_MAX])
-def test_both_copy_paths_round_trip_and_refuse_a_flip_at_either_end(payload: int) -> None:
-    """Payloads up to `_FUSED_MAX` are copied and then hashed; larger ones hashed, then cloned."""
+@pytest.mark.parametrize("payload", [_CHUNK - 8, _CHUNK, _CHUNK + 8, 3 * _CHUNK])
+def test_chunked_copies_round_trip_and_refuse_a_flip_at_either_end(payload: int) -> None:
+    """Payloads are copied and hashed a chunk at a time: one chunk, exactly one, and more."""
     t = torch.randint(-128, 128, (payload // 8, 8), dtype=torch.int8)
     entry = encode_entry(KEY, t)
     head = len(entry) - payload

@@ -8,8 +8,10 @@ before it writes any target, and then land exactly the payload's bytes in them.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import pytest
@@ -17,6 +19,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import mmkey.cache.codec as codec
 from mmkey import CorruptEntry, EntryKeyring, InvalidKey
 from mmkey.cache.codec import (
     DTYPE_CODES,
@@ -34,10 +37,21 @@ pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimen
 
 KEY = "mmk1@qwen2-vl-7b@image@blake3@000000000000000000000000000000a7"
 OTHER_KEY = "mmk1@qwen2-vl-7b@image@blake3@000000000000000000000000000000a8"
-SECRET = b"codec parts test secret, 32 bytes or more"
+SECRET = hashlib.sha256(b"codec parts test secret").digest()
 RING = EntryKeyring.from_secrets(SECRET)
-MIGRATING = attrs.evolve(RING, accept_unauthenticated=True)
-OTHER_RING = EntryKeyring.from_secrets(b"another fleet's secret, also 32 bytes+")
+MIGRATING = attrs.evolve(RING, migrate_until=datetime.datetime(2999, 1, 1, tzinfo=datetime.timezone.utc))
+OTHER_RING = EntryKeyring.from_secrets(hashlib.sha256(b"another fleet").digest())
+NOW = 1_796_000_000
+"""The issue time signed entries of these tests carry (entries compared byte for byte)."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fixed_clock() -> Iterator[None]:
+    real, codec._clock = codec._clock, lambda: NOW
+    yield
+    codec._clock = real
+
+
 DTYPE_NAMES = tuple(
     name for name in DTYPE_CODES if isinstance(getattr(torch, name, None), torch.dtype)
 )
@@ -193,8 +207,9 @@ def test_split_payload_entries_are_the_joined_entries(case: Case) -> None:
     assert (back.dtype, back.shape) == (dtype, whole.shape)
     assert raw(back) == raw(whole)
     key_id = RING.current.key_id if case.signed else None
+    issued = NOW if case.signed else None
     assert peek_header(entry) == EntryHeader(
-        case.key, dtype, tuple(whole.shape), len(head), len(entry) - len(head), key_id
+        case.key, dtype, tuple(whole.shape), len(head), len(entry) - len(head), key_id, issued
     )
 
     # (c) read into another split of a zeroed pool: the payload lands in the target rows only

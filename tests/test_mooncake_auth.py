@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -22,7 +25,7 @@ from mmkey import (
     TieredCache,
     mm_hash,
 )
-from mmkey.cache.auth import ENV_SECRET
+from mmkey.cache.auth import ENV_SECRET, FROM_ENV
 from mmkey.cache.codec import encode_entry, entry_size
 from mmkey.testing.mooncake_master import MasterProcess
 from _support import local_config, raw_client
@@ -77,8 +80,9 @@ def test_tenants_do_not_isolate_keys(
 
 # -- MooncakeCache with a fleet secret --------------------------------------------------------
 
-SECRET = b"fleet secret of the mooncake tests, 32+ bytes"
+SECRET = hashlib.sha256(b"fleet secret of the mooncake tests").digest()
 RING = EntryKeyring.from_secrets(SECRET)
+LATER = dt.datetime(2999, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def key(i: int) -> EmbeddingKey:
@@ -121,7 +125,7 @@ def test_an_authenticated_reader_never_serves_entries_written_without_the_secret
         assert plain.insert_batch([key(4)], [evil]) == [True]  # mmkey without the secret
         got = plain.get_embeddings([key(1)])[0]  # a reader without it serves signed entries
         assert got is not None and torch.equal(got, genuine)
-    other = EntryKeyring.from_secrets(b"some other fleet's secret, 32 bytes+")
+    other = EntryKeyring.from_secrets(hashlib.sha256(b"some other fleet's secret").digest())
     with MooncakeCache(config(mooncake_master_session, global_segment_size=0), keyring=other) as them:
         assert them.insert_batch([key(5)], [evil]) == [True]  # a wrong secret
     moved = raw_store.get(key(1).to_key())
@@ -130,26 +134,28 @@ def test_an_authenticated_reader_never_serves_entries_written_without_the_secret
     assert found[0] is not None and torch.equal(found[0], genuine)
     assert found[1:] == [None] * 5
     stats = signed.stats()
-    assert (stats.hits, stats.misses, stats.forged, stats.corrupt) == (1, 5, 4, 1)
+    assert (stats.hits, stats.misses, stats.forged, stats.corrupt) == (1, 5, 5, 0)
+    assert (stats.unsigned, stats.unknown_key, stats.bad_mac, stats.expired) == (3, 1, 1, 0)
 
 
 def test_rotation_and_the_migration_window_through_the_store(
     mooncake_master_session: MasterProcess, raw_store: MooncakeDistributedStore
 ) -> None:
-    old, new = b"the secret before the rotation, 32+ b", b"the secret after the rotation, 32+ by"
+    old, new = hashlib.sha256(b"before the rotation").digest(), hashlib.sha256(b"after").digest()
     t_old, t_new, t_plain = torch.randn(8), torch.randn(8), torch.randn(8)
     cfg = config(mooncake_master_session)
     with MooncakeCache(cfg, keyring=EntryKeyring.from_secrets(old)) as before:
         assert before.insert_batch([key(10)], [t_old]) == [True]
         forge(raw_store, key(12), t_plain)
-        rotated = EntryKeyring.from_secrets(new, old, accept_unauthenticated=True)
+        rotated = EntryKeyring.from_secrets(new, (old, LATER), migrate_until=LATER)
         with MooncakeCache(attrs.evolve(cfg, global_segment_size=0), keyring=rotated) as during:
             assert during.insert_batch([key(11)], [t_new]) == [True]
             got = during.get_embeddings([key(10), key(11), key(12)])
             wanted = (t_old, t_new, t_plain)
             assert all(t is not None and torch.equal(t, w) for t, w in zip(got, wanted))
             assert before.get_embeddings([key(11)]) == [None]  # not yet given the new secret
-            assert before.stats().forged == 1
+            assert before.stats().forged == before.stats().unknown_key == 1
+            assert during.stats().unsigned_served == 1
 
 
 def test_a_forged_far_entry_never_reaches_or_displaces_the_near_tier(
@@ -182,7 +188,7 @@ def test_mooncake_cache_keeps_the_secret_out_of_sight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    text = "mooncake test secret, never to be shown"
+    text = hashlib.sha256(b"mooncake test secret, never to be shown").hexdigest()
     monkeypatch.setenv(ENV_SECRET, text)
     ring = EntryKeyring.from_secrets(text)
     t = torch.randn(4)
@@ -222,3 +228,72 @@ def test_tenants_do_not_isolate_keys_through_mooncake_cache(
             got = beta.get_embeddings([key(40)])[0]
             assert got is not None and torch.equal(got, t)
     assert tenants == ["alpha", "beta"]
+
+
+# -- failing closed, migration windows and expiry through the store ----------------------------
+
+
+def test_required_without_a_secret_refuses_to_build_a_cache(
+    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for name in (ENV_SECRET, "MMKEY_ENTRY_KEY_FILE", "MMKEY_ENTRY_AUTH"):
+        monkeypatch.delenv(name, raising=False)
+    caplog.set_level(logging.WARNING, "mmkey.cache.auth")
+    cfg = config(mooncake_master_session, global_segment_size=0)
+    with MooncakeCache(cfg) as cache:  # unset: today's behaviour, and one warning
+        assert cache.keyring is None
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "MooncakeCache has no entry secret" in caplog.records[0].getMessage()
+    monkeypatch.setenv("MMKEY_ENTRY_AUTH", "required")
+    for keyring in (FROM_ENV, None):
+        with pytest.raises(ValueError, match="MMKEY_ENTRY_AUTH=required: MooncakeCache over a"):
+            MooncakeCache(cfg, keyring=keyring)
+    monkeypatch.setenv(ENV_SECRET, SECRET.hex())
+    with MooncakeCache(cfg) as cache:
+        assert cache.keyring == RING
+
+
+def test_migrate_serves_unsigned_entries_until_its_end(
+    mooncake_master_session: MasterProcess, raw_store: MooncakeDistributedStore,
+    signed: MooncakeCache, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(`signed` holds the segment the entry lands in.)"""
+    t = torch.randn(8)
+    forge(raw_store, key(50), t)  # an unsigned entry, as an older mmkey writes
+    end = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)
+    monkeypatch.setenv("MMKEY_ENTRY_AUTH", "migrate")
+    monkeypatch.setenv("MMKEY_ENTRY_MIGRATE_UNTIL", end.isoformat())
+    monkeypatch.setenv(ENV_SECRET, SECRET.hex())
+    with MooncakeCache(config(mooncake_master_session, global_segment_size=0)) as cache:
+        assert cache.keyring is not None and cache.keyring.migrate_until == end
+        got = cache.get_embeddings([key(50)])[0]
+        assert got is not None and torch.equal(got, t)
+        out = torch.zeros(8)
+        assert cache.read_into([key(50)], [out]) == [True] and torch.equal(out, t)
+        assert cache.stats().unsigned_served == 2
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 7200)  # the window has ended
+        assert cache.get_embeddings([key(50)]) == [None]
+        stats = cache.stats()
+        assert (stats.unsigned_served, stats.forged, stats.unsigned) == (2, 1, 1)
+
+
+def test_an_expired_previous_secrets_entries_are_refused_and_counted_apart(
+    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = hashlib.sha256(b"a secret rotated out").digest()
+    t = torch.randn(8)
+    cfg = config(mooncake_master_session)
+    not_after = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)
+    with MooncakeCache(cfg, keyring=EntryKeyring.from_secrets(old)) as before:
+        assert before.insert_batch([key(60)], [t]) == [True]
+        rotated = EntryKeyring.from_secrets(SECRET, (old, not_after))
+        with MooncakeCache(attrs.evolve(cfg, global_segment_size=0), keyring=rotated) as after:
+            got = after.get_embeddings([key(60)])[0]
+            assert got is not None and torch.equal(got, t)  # within its lifetime
+            real = time.time
+            monkeypatch.setattr(time, "time", lambda: real() + 7200)
+            assert after.get_embeddings([key(60)]) == [None]
+            stats = after.stats()
+            assert (stats.forged, stats.expired, stats.unknown_key, stats.bad_mac) == (1, 1, 0, 0)

@@ -143,3 +143,22 @@ def test_replica_num_is_mooncakes_field_and_variable(tmp_path: Path) -> None:
         MooncakeConfig(master_server_address="127.0.0.1:50051", replica_num=True)
     with pytest.raises(TypeError, match="replica_num"):
         MooncakeConfig(master_server_address="127.0.0.1:50051", replica_num="2")  # type: ignore[arg-type]
+
+
+def test_trusted_network_and_max_entry_size_are_mmkeys_own_settings(tmp_path: Path) -> None:
+    base = {"MOONCAKE_MASTER": "10.0.0.1:50051"}
+    default = MooncakeConfig.from_env(base)
+    assert (default.trusted_network, default.max_entry_size) == (False, 64 << 20)
+    env = {**base, "MMKEY_TRUSTED_NETWORK": "1", "MMKEY_MAX_ENTRY_SIZE": "8MB"}
+    config = MooncakeConfig.from_env(env)
+    assert (config.trusted_network, config.max_entry_size) == (True, 8 << 20)
+    assert MooncakeConfig.from_env(env, trusted_network=False).trusted_network is False
+    with pytest.raises(ValueError, match="MMKEY_TRUSTED_NETWORK must be 0 or 1"):
+        MooncakeConfig.from_env({**base, "MMKEY_TRUSTED_NETWORK": "yes"})
+    with pytest.raises(ValueError, match="max_entry_size must be > 0"):
+        MooncakeConfig(master_server_address="h:1", max_entry_size=0)
+    with pytest.raises(TypeError):
+        MooncakeConfig(master_server_address="h:1", trusted_network=1)  # type: ignore[arg-type]
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "h:1", "trusted_network": True}))
+    assert MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(path)}).trusted_network is False

@@ -357,7 +357,8 @@ def test_a_value_too_large_to_allocate_is_a_counted_miss(
         assert cache.insert_batch([key(201)], [torch.ones(5)]) == [True]
         before = cache.stats()
         assert cache.get_embeddings([key(201)]) == [None]
-        assert cache.stats().errors == before.errors + 1
+        after = cache.stats()  # larger than max_entry_size: refused before any allocation
+        assert (after.oversized, after.misses) == (before.oversized + 1, before.misses + 1)
 
 
 def test_calls_racing_close_return_at_once(

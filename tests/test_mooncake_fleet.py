@@ -196,7 +196,7 @@ def test_puts_straight_from_registered_pages_place_every_replica(
     # MooncakeCache.insert_from's multi-buffer put honours replica_num like its upserts
     pool = torch.randn(40 * 8, 16)
     keys = [key(2500 + i) for i in range(40)]
-    writer = MooncakeCache(mooncake_fleet.client_config(deadline=30.0, replica_num=2))
+    writer = MooncakeCache(mooncake_fleet.client_config(deadline=30.0, replica_num=2, trusted_network=True))
     try:
         writer.register_memory(pool)
         pages = [[pool[i * 8 : i * 8 + 3], pool[i * 8 + 5 : i * 8 + 8]] for i in range(40)]

@@ -7,6 +7,8 @@ MMKEY_REQUIRE_SGLANG=1.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -48,8 +50,11 @@ def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
 def make_store(mooncake_master_session: MasterProcess) -> Iterator[Callable[..., MMKeyEmbeddingStore]]:
     made: list[MMKeyEmbeddingStore] = []
 
-    def make(namespace: str = NAMESPACE, master: MasterProcess | None = None) -> MMKeyEmbeddingStore:
-        store = MMKeyEmbeddingStore(namespace=namespace, config=config(master or mooncake_master_session))
+    def make(
+        namespace: str = NAMESPACE, master: MasterProcess | None = None, **overrides: object
+    ) -> MMKeyEmbeddingStore:
+        cfg = config(master or mooncake_master_session, **overrides)
+        store = MMKeyEmbeddingStore(namespace=namespace, config=cfg)
         made.append(store)
         return store
 
@@ -196,7 +201,8 @@ def test_puts_go_straight_from_the_pool_pages_and_existing_entries_are_replaced(
 ) -> None:
     puts = count_multi_buffer_puts(monkeypatch)
     image = SGLangModality.IMAGE
-    with two_encoders(make_store) as (writer_store, writer, reader_store, reader):
+    trusted = functools.partial(make_store, trusted_network=True)  # pools registered only then
+    with two_encoders(trusted) as (writer_store, writer, reader_store, reader):
         pool = writer.vision_pool
         region = writer_store.cache._transport.region_of(pool.tensor.data_ptr(), 1)
         assert region is not None and region.tensor is pool.tensor  # registered with Mooncake
@@ -413,9 +419,9 @@ def test_no_master_at_start_is_a_degraded_store_not_a_hang(
 def test_fleet_secret_from_the_environment_signs_and_checks_entries(
     make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MMKEY_ENTRY_KEY", "a fleet secret of at least thirty-two bytes")
+    monkeypatch.setenv("MMKEY_ENTRY_KEY", hashlib.sha256(b"a fleet secret").hexdigest())
     writer, reader = make_store(), make_store()
-    monkeypatch.setenv("MMKEY_ENTRY_KEY", "another fleet's secret, also 32 bytes or more")
+    monkeypatch.setenv("MMKEY_ENTRY_KEY", hashlib.sha256(b"another fleet").hexdigest())
     stranger = make_store()
     src, ptrs, sizes = pages(writer, 12)
     src[:12] = embedding(12, 64, 5)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 __all__ = [
     "CorruptEntry",
     "ForgedEntry",
+    "ForgedReason",
     "InvalidDigest",
     "InvalidKey",
     "MMKeyError",
@@ -29,12 +32,25 @@ class CorruptEntry(MMKeyError):
     """A stored entry that does not verify: wrong magic, checksum, key, dtype or shape."""
 
 
-class ForgedEntry(CorruptEntry):
-    """A well-formed entry whose MAC does not verify under any secret of the reader's keyring.
+ForgedReason = Literal["unsigned", "unknown_key", "expired", "bad_mac"]
+"""Why a keyring refused an entry: it carries no MAC (outside a migration window), names a
+secret the keyring does not hold, was made with an expired previous secret, or fails its
+MAC (or its checksum, its header or its key: every refusal under a keyring)."""
 
-    Also an entry without a MAC read with a keyring that does not accept unauthenticated
-    entries. A `CorruptEntry`, so code that drops corrupt entries drops forged ones too.
+
+class ForgedEntry(CorruptEntry):
+    """An entry a reader with a keyring refused: its MAC does not verify under a secret of
+    the keyring that has not expired, or it carries none (see `reason`).
+
+    A `CorruptEntry`, so code that drops corrupt entries drops forged ones too.
     """
+
+    def __init__(self, message: str, *, reason: ForgedReason = "bad_mac") -> None:
+        super().__init__(message)
+        self.reason: ForgedReason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), self.args, {"reason": self.reason})
 
 
 class StoreError(MMKeyError):

@@ -2,8 +2,9 @@
 
 `MeteredCache` wraps a cache, is itself an `EmbeddingCache`, and times every call into a
 latency histogram per operation. At each scrape it also exports the wrapped cache's
-`CacheStats` counters (hits, misses, inserts, evictions, corrupt, forged, errors, skipped),
-what it holds where it knows (``bytes_held``, ``entries``), and, for caches that report
+`CacheStats` counters (hits, misses, inserts, evictions, corrupt, forged and its reasons,
+errors, skipped, unsigned_served, oversized), what it holds where it knows
+(``bytes_held``, ``entries``), and, for caches that report
 `CacheHealth` (a remote store's client), breaker state and quarantined holders::
 
     from prometheus_client import start_http_server
@@ -66,6 +67,12 @@ COUNTERS: dict[str, str] = {
     "forged": "Entries whose authentication failed on read (served as misses).",
     "errors": "Store calls that failed or timed out.",
     "skipped": "Calls answered without asking the store (store down, or holders quarantined).",
+    "unsigned": "Of forged: entries without a MAC, read outside a migration window.",
+    "unknown_key": "Of forged: entries naming a secret the keyring does not hold.",
+    "expired": "Of forged: entries made with a previous secret past its not-after time.",
+    "bad_mac": "Of forged: entries whose MAC, header, key or size did not verify.",
+    "unsigned_served": "Entries without a MAC served during a migration window.",
+    "oversized": "Entries left unread for being larger than the reader could use.",
 }
 """The `CacheStats` counters exported as ``mmkey_cache_<name>_total``, with their help text."""
 

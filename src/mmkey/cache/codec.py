@@ -7,17 +7,20 @@ An entry is a header followed by the tensor's bytes. All integers are little-end
     4       1         format version (1)
     5       1         dtype code (`DTYPE_CODES`)
     6       1         ndim (0 to 64)
-    7       1         flags: 0, or `FLAG_AUTHENTICATED` (1)
+    7       1         flags: 0, `FLAG_AUTHENTICATED` (1), or that and `FLAG_ISSUED_AT` (3)
     8       2         key length K in bytes
     10      2         header length H: the payload offset, a multiple of 64
     12      4         reserved (0)
     16      8         payload length P in bytes
     24      16        checksum: XXH3-128 (canonical, big-endian) of bytes [0, 24) and [C, H + P)
-    -- authenticated entries only (flag 1); C = 72 and S = 80 for them, C = S = 40 otherwise:
+    -- authenticated entries only (flags 1 and 3); C = 72 and S = 80 (88 with flag 3) for
+    -- them, C = S = 40 otherwise:
     40      32        MAC: BLAKE3 keyed hash (under the MAC key derived from the secret) of
                       bytes [0, 40) and [72, H), then the 32-byte BLAKE3 hash of the payload:
                       every byte of the entry but the MAC's own, checksum included
     72      8         id of the secret whose derived MAC key made the MAC
+    -- entries with an issue time (flag 3) only, which writers with a secret make:
+    80      8         issued-at: seconds since the epoch (UTC) when the entry was signed
     --
     S       8*ndim    shape, one u64 per dimension
     S+8n    K         the key text (ASCII)
@@ -29,9 +32,16 @@ against the key being read, so truncated, extended, bit-flipped or re-keyed entr
 `CorruptEntry`; the checksum detects accidents, not forgeries. Forgeries are what the MAC
 stops: given an `EntryKeyring` (`mmkey.cache.auth`), `encode_entry` signs entries with its
 current secret and `decode_entry` serves only entries whose MAC verifies under one of its
-secrets, raising `ForgedEntry` otherwise. Entries without a MAC decode as before, and a
-reader without a keyring decodes authenticated entries after their checksum. torch, xxhash
-and blake3 load on first use, never at ``import mmkey``.
+secrets that has not expired, raising `ForgedEntry` otherwise (every refusal under a
+keyring is a `ForgedEntry`, with a `reason`). A reader without a keyring decodes
+authenticated entries after their checksum.
+
+Readers verify what they return, not what they saw: the header is copied out of `data`
+first and parsed from that copy, and the payload is verified while it is copied, chunk by
+chunk, into memory the caller gets (or private scratch memory): bytes that change in
+`data` meanwhile (memory registered with a transfer engine is writable from the network)
+can make an entry fail, never make a tensor differ from the bytes that verified. torch,
+xxhash and blake3 load on first use, never at ``import mmkey``.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ import ctypes
 import hmac
 import math
 import struct
+import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -59,6 +71,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPE_CODES",
     "FLAG_AUTHENTICATED",
+    "FLAG_ISSUED_AT",
     "FORMAT_VERSION",
     "HEADER_ALIGN",
     "MAGIC",
@@ -69,7 +82,10 @@ __all__ = [
     "encode_entry_into",
     "entry_header",
     "entry_size",
+    "largest_entry_size",
     "peek_header",
+    "verify_entry",
+    "verify_entry_into",
 ]
 
 MAGIC = b"MMKE"
@@ -82,6 +98,9 @@ MAX_NDIM = 64
 """The most dimensions an entry may have."""
 FLAG_AUTHENTICATED = 0x01
 """The flag of entries that carry a MAC and the id of the secret that made it."""
+FLAG_ISSUED_AT = 0x02
+"""With `FLAG_AUTHENTICATED` only: the entry carries the time it was signed (MAC-covered)."""
+_FLAG_SETS = frozenset({0, FLAG_AUTHENTICATED, FLAG_AUTHENTICATED | FLAG_ISSUED_AT})
 
 DTYPE_CODES: dict[str, int] = {
     "bool": 1,
@@ -120,13 +139,15 @@ _DIGEST_AT = 24
 _MAC_AT = _FIXED_SIZE  # 40
 _ID_AT = _MAC_AT + 32  # 72
 _AUTH_END = _ID_AT + 8  # 80: where an authenticated entry's shape starts
-_MAC_PARALLEL_FROM = 1 << 20
-"""Payloads at least this large are MAC'd by BLAKE3 on all cores."""
+_ISSUED_END = _AUTH_END + 8  # 88: ... and that of one with an issue time
+_U64 = struct.Struct("<Q")
+_clock: Callable[[], float] = time.time
+"""Where signed entries take their issue time from."""
+_CHUNK = 256 << 10
+"""Payload bytes copied and then hashed at a time, while the copy is still in cache."""
 _MAX_KEY_BYTES = 8192  # the longest v1 key is ~3.1 KB; the header length must fit a u16
 _PyBUF_READ = 0x100
 _PyBUF_WRITE = 0x200
-_FUSED_MAX = 256 << 10
-"""`decode_entry` copies payloads up to this size and then hashes the copy (see there)."""
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
 
@@ -143,6 +164,8 @@ class EntryHeader:
     payload_size: int
     key_id: bytes | None = None
     """The id of the secret whose MAC the entry carries; None for an unauthenticated entry."""
+    issued_at: int | None = None
+    """When the entry was signed (seconds since the epoch), if it says."""
 
     @property
     def entry_size(self) -> int:
@@ -192,9 +215,20 @@ def _rt() -> _Runtime:
     return _runtime
 
 
-def _header_size(ndim: int, key_len: int, authenticated: bool = False) -> int:
-    unpadded = (_AUTH_END if authenticated else _FIXED_SIZE) + 8 * ndim + key_len
+def _shape_at(flags: int) -> int:
+    """Where the shape starts in an entry with `flags`."""
+    if flags & FLAG_ISSUED_AT:
+        return _ISSUED_END
+    return _AUTH_END if flags & FLAG_AUTHENTICATED else _FIXED_SIZE
+
+
+def _header_size(ndim: int, key_len: int, flags: int = 0) -> int:
+    unpadded = _shape_at(flags) + 8 * ndim + key_len
     return -(-unpadded // HEADER_ALIGN) * HEADER_ALIGN
+
+
+_SIGNED_FLAGS = FLAG_AUTHENTICATED | FLAG_ISSUED_AT
+"""What writers with a secret set."""
 
 
 def _key_bytes(key: str) -> bytes:
@@ -246,26 +280,27 @@ def _header(
 ) -> bytearray:
     """The header with zero checksum and MAC fields."""
     ndim = len(shape)
-    size = _header_size(ndim, len(key), secret is not None)
+    flags = 0 if secret is None else _SIGNED_FLAGS
+    size = _header_size(ndim, len(key), flags)
     head = bytearray(size)
-    flags = 0 if secret is None else FLAG_AUTHENTICATED
     _FIXED.pack_into(
         head, 0, MAGIC, FORMAT_VERSION, code, ndim, flags, len(key), size, 0, payload, b""
     )
-    at = _FIXED_SIZE
+    at = _shape_at(flags)
     if secret is not None:
         head[_ID_AT:_AUTH_END] = secret.key_id
-        at = _AUTH_END
+        _U64.pack_into(head, _AUTH_END, int(_clock()))
     _SHAPES[ndim].pack_into(head, at, *shape)
     at += 8 * ndim
     head[at : at + len(key)] = key
     return head
 
 
-def _checksum_hasher(head: memoryview, authenticated: bool, rt: _Runtime) -> Any:
+def _checksum_hasher(head: Buffer, authenticated: bool, rt: _Runtime) -> Any:
     """An XXH3 hasher fed with the header bytes the checksum covers (all but the tags)."""
-    checksum = rt.xxh3_128(head[:_DIGEST_AT])
-    checksum.update(head[_ID_AT if authenticated else _FIXED_SIZE :])
+    view = memoryview(head)
+    checksum = rt.xxh3_128(view[:_DIGEST_AT])
+    checksum.update(view[_ID_AT if authenticated else _FIXED_SIZE :])
     return checksum
 
 
@@ -277,40 +312,55 @@ class _Mac:
     keyed hash then covers the header bytes and that 32-byte payload hash.
     """
 
-    __slots__ = ("_outer", "_payload")
+    __slots__ = ("_head", "_payload", "_secret")
 
-    def __init__(self, secret: EntrySecret, head: memoryview, payload_size: int) -> None:
+    def __init__(self, secret: EntrySecret, head: Buffer) -> None:
         import blake3
 
-        self._outer = secret.hasher()
-        self._outer.update(head[:_MAC_AT])
-        self._outer.update(head[_ID_AT:])
-        threads = blake3.blake3.AUTO if payload_size >= _MAC_PARALLEL_FROM else 1
-        self._payload = blake3.blake3(max_threads=threads)
+        self._secret = secret
+        self._head = memoryview(head)
+        self._payload = blake3.blake3()
 
     def update(self, payload: Buffer) -> None:
         self._payload.update(payload)
 
     def digest(self) -> bytes:
-        """The MAC; call once, after the whole payload."""
-        self._outer.update(self._payload.digest())
-        return self._outer.digest()
+        """The MAC; call once, after the whole payload (and, when sealing, once the
+        header's checksum is in place: the MAC covers it)."""
+        outer = self._secret.hasher()
+        outer.update(self._head[:_MAC_AT])
+        outer.update(self._head[_ID_AT:])
+        outer.update(self._payload.digest())
+        return outer.digest()
 
 
 def _seal(
-    head: bytearray, parts: Sequence[Buffer], secret: EntrySecret | None, rt: _Runtime
+    head: bytearray,
+    parts: Sequence[Buffer],
+    secret: EntrySecret | None,
+    rt: _Runtime,
+    copy_to: memoryview | None = None,
 ) -> None:
     """Fill in the checksum and then (when signing) the MAC of `head` followed by the
-    payload, which is `parts` joined."""
+    payload, which is `parts` joined; with `copy_to`, also copy the payload there, chunk
+    by chunk, hashing each chunk of `parts` (the bytes that are sealed) while it is in cache.
+    """
     view = memoryview(head)
     checksum = _checksum_hasher(view, secret is not None, rt)
+    mac = None if secret is None else _Mac(secret, view)
+    at = 0
     for part in parts:
-        checksum.update(part)
+        source = _byte_view(part)
+        for start in range(0, source.nbytes, _CHUNK):
+            chunk = source[start : start + _CHUNK]
+            if copy_to is not None:
+                copy_to[at : at + chunk.nbytes] = chunk
+                at += chunk.nbytes
+            checksum.update(chunk)
+            if mac is not None:
+                mac.update(chunk)
     view[_DIGEST_AT:_FIXED_SIZE] = checksum.digest()
-    if secret is not None:
-        mac = _Mac(secret, view, sum(memoryview(part).nbytes for part in parts))
-        for part in parts:
-            mac.update(part)
+    if mac is not None:
         view[_MAC_AT:_ID_AT] = mac.digest()
 
 
@@ -321,9 +371,16 @@ def entry_size(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None =
     value: object = tensor
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"embeddings must be torch.Tensor, got {type(value).__name__}")
-    signed = _signer(keyring) is not None
-    head = _header_size(tensor.dim(), len(_key_bytes(key)), signed)
+    flags = 0 if _signer(keyring) is None else _SIGNED_FLAGS
+    head = _header_size(tensor.dim(), len(_key_bytes(key)), flags)
     return head + tensor.numel() * tensor.element_size()
+
+
+def largest_entry_size(key: str, payload_bytes: int, ndim: int) -> int:
+    """The most bytes a genuine entry under `key` with a payload of `payload_bytes` and
+    `ndim` dimensions can have (the largest header any writer makes for it, plus the
+    payload): a reader with a target of that size need not fetch anything larger."""
+    return _header_size(ndim, len(_key_bytes(key)), _SIGNED_FLAGS) + payload_bytes
 
 
 def encode_entry(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None = None) -> bytes:
@@ -349,8 +406,10 @@ def encode_entry_into(
     """Write the entry of `tensor` at the start of the writable buffer `buf`; bytes written.
 
     For registered (pinned) memory: size the region with `entry_size` (same `keyring`).
-    Raises `ValueError` when `buf` is read-only or too small; the bytes after the entry
-    are left untouched.
+    The checksum and MAC are made over `tensor`'s own bytes as they are copied, never over
+    what `buf` holds afterwards: bytes written into `buf` by anyone else meanwhile make the
+    entry fail to verify. Raises `ValueError` when `buf` is read-only or too small; the
+    bytes after the entry are left untouched.
     """
     rt = _rt()
     raw_key = _key_bytes(key)
@@ -364,12 +423,8 @@ def encode_entry_into(
         raise ValueError("encode_entry_into() needs a writable buffer (bytearray, memoryview)")
     if out.nbytes < total:
         raise ValueError(f"buffer holds {out.nbytes} bytes, the entry needs {total}")
-    if nbytes:
-        import torch
-
-        target = torch.frombuffer(out, dtype=torch.uint8, count=nbytes, offset=len(head))
-        target.copy_(t.reshape(-1).view(torch.uint8))
-    _seal(head, (out[len(head) : total],), secret, rt)
+    source = rt.memory_view(t.data_ptr(), nbytes, _PyBUF_READ) if nbytes else b""
+    _seal(head, (source,), secret, rt, copy_to=out[len(head) : total])
     out[: len(head)] = head
     return total
 
@@ -423,54 +478,82 @@ class _Parsed(NamedTuple):
     header_size: int
     payload_size: int
     stored_key: bytes
-    authenticated: bool
+    flags: int
+    header: bytes
+    """A private copy of the header: every field above was read from it."""
+
+    @property
+    def authenticated(self) -> bool:
+        return bool(self.flags & FLAG_AUTHENTICATED)
+
+    @property
+    def issued_at(self) -> int | None:
+        if not self.flags & FLAG_ISSUED_AT:
+            return None
+        value: int = _U64.unpack_from(self.header, _AUTH_END)[0]
+        return value
 
 
-def _parse(view: memoryview, rt: _Runtime) -> _Parsed:
-    """The header fields of entry `view`, checked for consistency (not the checksum)."""
+def _private_header(view: memoryview) -> bytes:
+    """The header bytes of entry `view`, copied once (so the fields parsed and the bytes
+    hashed are the same, whatever happens to `view` meanwhile)."""
     size = view.nbytes
     if size < _FIXED_SIZE:
         raise CorruptEntry(f"truncated entry: {size} bytes, a header needs at least {_FIXED_SIZE}")
+    head = view[10] | view[11] << 8
+    return view[: min(max(head, _FIXED_SIZE), size)].tobytes()
+
+
+def _parse(header: bytes, size: int, rt: _Runtime) -> _Parsed:
+    """The fields of the entry of `size` bytes whose header is `header` (a private copy),
+    checked for consistency (not the checksum)."""
     magic, version, code, ndim, flags, key_len, head, reserved, payload, _ = _FIXED.unpack_from(
-        view
+        header
     )
     if magic != MAGIC:
         raise CorruptEntry(f"not an mmkey entry: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CorruptEntry(f"entry format version {version}, this mmkey reads {FORMAT_VERSION}")
-    if flags & ~FLAG_AUTHENTICATED or reserved:
+    if flags not in _FLAG_SETS or reserved:
         raise CorruptEntry(
-            f"entry flags {flags:#x} / reserved {reserved:#x}: only flag "
-            f"{FLAG_AUTHENTICATED:#x} is defined and reserved must be 0"
+            f"entry flags {flags:#x} / reserved {reserved:#x}: flags must be 0, "
+            f"{FLAG_AUTHENTICATED:#x} or {_SIGNED_FLAGS:#x} and reserved must be 0"
         )
-    authenticated = flags == FLAG_AUTHENTICATED
     dtype = rt.dtype_of.get(code)
     if dtype is None:
         raise CorruptEntry(f"entry dtype code {code} is unknown to this mmkey and torch")
-    if ndim > MAX_NDIM or key_len == 0 or head != _header_size(ndim, key_len, authenticated):
+    if ndim > MAX_NDIM or key_len == 0 or head != _header_size(ndim, key_len, flags):
         raise CorruptEntry(
             f"entry header length {head} does not fit ndim {ndim} and key length {key_len}"
         )
     if size != head + payload:
         what = "truncated" if size < head + payload else "extended"
         raise CorruptEntry(f"{what} entry: {size} bytes, the header says {head + payload}")
-    at = _AUTH_END if authenticated else _FIXED_SIZE
-    shape: tuple[int, ...] = _SHAPES[ndim].unpack_from(view, at)
+    at = _shape_at(flags)
+    shape: tuple[int, ...] = _SHAPES[ndim].unpack_from(header, at)
     numel = math.prod(shape)
     if numel * dtype.itemsize != payload or (not numel and any(dim >> 62 for dim in shape)):
         raise CorruptEntry(f"entry shape {shape} of {dtype} does not fit {payload} payload bytes")
     at += 8 * ndim
-    return _Parsed(dtype, shape, head, payload, view[at : at + key_len].tobytes(), authenticated)
+    return _Parsed(dtype, shape, head, payload, header[at : at + key_len], flags, header)
 
 
-def _parse_as(view: memoryview, key: str, raw_key: bytes, rt: _Runtime) -> _Parsed:
-    """`_parse`, and `CorruptEntry` unless the entry was written under `key`."""
-    parsed = _parse(view, rt)
-    if parsed.stored_key != raw_key:
-        raise CorruptEntry(
-            f"entry was written under key {parsed.stored_key[:120].decode('latin-1')!r}, "
-            f"read as {key[:120]!r}"
-        )
+def _parse_as(
+    view: memoryview, key: str, raw_key: bytes, rt: _Runtime, keyring: EntryKeyring | None
+) -> _Parsed:
+    """`_parse` of a private copy of the header, and `CorruptEntry` unless the entry was
+    written under `key`; under a `keyring` every refusal is a `ForgedEntry`."""
+    try:
+        parsed = _parse(_private_header(view), view.nbytes, rt)
+        if parsed.stored_key != raw_key:
+            raise CorruptEntry(
+                f"entry was written under key {parsed.stored_key[:120].decode('latin-1')!r}, "
+                f"read as {key[:120]!r}"
+            )
+    except CorruptEntry as exc:
+        if keyring is None:
+            raise
+        raise ForgedEntry(str(exc), reason="bad_mac") from None
     return parsed
 
 
@@ -480,11 +563,17 @@ def peek_header(data: Buffer) -> EntryHeader:
     For routing and sizing only: the tensor itself comes from `decode_entry`, which verifies.
     """
     view = _byte_view(data)
-    parsed = _parse(view, _rt())
+    parsed = _parse(_private_header(view), view.nbytes, _rt())
     key = parsed.stored_key.decode("latin-1")
-    key_id = view[_ID_AT:_AUTH_END].tobytes() if parsed.authenticated else None
+    key_id = parsed.header[_ID_AT:_AUTH_END] if parsed.authenticated else None
     return EntryHeader(
-        key, parsed.dtype, parsed.shape, parsed.header_size, parsed.payload_size, key_id
+        key,
+        parsed.dtype,
+        parsed.shape,
+        parsed.header_size,
+        parsed.payload_size,
+        key_id,
+        parsed.issued_at,
     )
 
 
@@ -495,67 +584,125 @@ def decode_entry(
 
     Raises `CorruptEntry` (saying what failed) unless magic, version, dtype, shape, sizes,
     the key and the checksum all verify. With a `keyring`, the entry must instead carry a
-    MAC that verifies under one of its secrets (compared in constant time), else
-    `ForgedEntry`; an entry without a MAC is `ForgedEntry` too unless the keyring accepts
-    unauthenticated entries. Without a keyring, authenticated entries are served after
-    their checksum like any other (such a reader cannot check a MAC, and refusing them
-    would gain it nothing). An entry whose MAC fails is `CorruptEntry` if its checksum
-    fails as well (an accident), `ForgedEntry` if not.
+    MAC that verifies under one of its secrets (compared in constant time) that has not
+    expired, else `ForgedEntry` (with its `reason`); an entry without a MAC is served only
+    in the keyring's migration window. Every refusal under a keyring is a `ForgedEntry`.
+    Without a keyring, authenticated entries are served after their checksum like any
+    other (such a reader cannot check a MAC, and refusing them would gain it nothing).
 
-    The result never aliases `data`, unless ``copy=False``: then it is a view of `data`,
-    which must be writable, owned by the caller and left unchanged while the tensor lives
-    (e.g. a registered buffer handed over). `data` must not change while this runs.
+    The result is a new tensor holding exactly the bytes that verified, copied out of
+    `data` as they were hashed. With ``copy=False`` it is a view of `data` instead, which
+    must be writable, owned by the caller, written by nobody else and left unchanged while
+    the tensor lives (never memory registered with a transfer engine).
     """
+    if copy:
+        return verify_entry(key, data, keyring=keyring)[0]
     rt = _runtime or _rt()
     raw_key = _key_bytes(key)
     view = _byte_view(data)
-    dtype, shape, head, payload, _, authenticated = _parse_as(view, key, raw_key, rt)
+    parsed = _parse_as(view, key, raw_key, rt, keyring)
+    verifier, expected, secret = _verifier(parsed, key, keyring)
+    verifier.update(view[parsed.header_size :])
+    _verify(verifier.digest(), expected, key, secret, keyring)
+    if view.readonly:
+        raise ValueError("decode_entry(copy=False) needs a writable buffer it may alias")
     import torch
 
-    verifier, expected, secret = _verifier(view, head, payload, authenticated, key, keyring, rt)
-    if copy and 0 < payload <= _FUSED_MAX:
-        # Copy, then hash the copy while it is still in cache: one pass over the payload,
-        # and the checksum (or MAC) covers exactly the bytes returned. Dropped unless it matches.
-        out = rt.blank[dtype].new_empty(shape)
-        target = rt.memory_view(out.data_ptr(), payload, _PyBUF_WRITE)
-        target[:] = view[head:]
-        verifier.update(target)
-        _verify(verifier.digest(), expected, view, authenticated, key, rt, secret)
-        return out
-    verifier.update(view[head:])
-    _verify(verifier.digest(), expected, view, authenticated, key, rt, secret)
-    if not copy and view.readonly:
-        raise ValueError("decode_entry(copy=False) needs a writable buffer it may alias")
+    dtype, payload = parsed.dtype, parsed.payload_size
     if not payload:
-        return torch.empty(shape, dtype=dtype)
-    # Larger payloads: torch's clone copies on all intra-op threads, which beats one
-    # thread's copy-and-hash pass (see benchmarks/bench_cache.py).
-    tensor = torch.frombuffer(view, dtype=dtype, count=payload // dtype.itemsize, offset=head)
-    tensor = tensor.view(shape)
-    return tensor.clone() if copy else tensor
+        return torch.empty(parsed.shape, dtype=dtype)
+    tensor = torch.frombuffer(
+        view, dtype=dtype, count=payload // dtype.itemsize, offset=parsed.header_size
+    )
+    return tensor.view(parsed.shape)
+
+
+def verify_entry(
+    key: str, data: Buffer, *, keyring: EntryKeyring | None = None
+) -> tuple[torch.Tensor, bool]:
+    """`decode_entry` (copying), and whether the entry was served without a MAC under
+    `keyring` (its migration window); for caches that count those."""
+    rt = _runtime or _rt()
+    raw_key = _key_bytes(key)
+    view = _byte_view(data)
+    parsed = _parse_as(view, key, raw_key, rt, keyring)
+    verifier, expected, secret = _verifier(parsed, key, keyring)
+    out = rt.blank[parsed.dtype].new_empty(parsed.shape)
+    if parsed.payload_size:
+        target = rt.memory_view(out.data_ptr(), parsed.payload_size, _PyBUF_WRITE)
+        _copy_hashing(target, view[parsed.header_size :], verifier)
+    _verify(verifier.digest(), expected, key, secret, keyring)
+    return out, keyring is not None and secret is None
+
+
+_SCRATCH_KEPT = 64 << 20
+"""Scratch memory up to this size is kept per thread for the next read."""
+_scratch_of = threading.local()
+
+
+def _scratch(nbytes: int, rt: _Runtime) -> torch.Tensor:
+    """Private bytes (at least `nbytes`) for verifying an entry before it goes to caller
+    memory: this thread's buffer, reused while it fits (no fresh pages to fault in)."""
+    kept: torch.Tensor | None = getattr(_scratch_of, "buffer", None)
+    if kept is not None and kept.numel() >= nbytes:
+        return kept
+    import torch
+
+    buffer = rt.blank[torch.uint8].new_empty(max(nbytes, 1))
+    if nbytes <= _SCRATCH_KEPT:
+        _scratch_of.buffer = buffer
+    return buffer
+
+
+def _copy_hashing(target: memoryview, source: memoryview, hasher: Any) -> None:
+    """Copy `source` into `target` chunk by chunk, hashing each chunk of the copy while it
+    is in cache: the hash covers exactly the bytes `target` ends up with."""
+    for start in range(0, source.nbytes, _CHUNK):
+        chunk = target[start : start + _CHUNK]
+        chunk[:] = source[start : start + _CHUNK]
+        hasher.update(chunk)
 
 
 def _verifier(
-    view: memoryview,
-    head: int,
-    payload: int,
-    authenticated: bool,
-    key: str,
-    keyring: EntryKeyring | None,
-    rt: _Runtime,
-) -> tuple[Any, memoryview, EntrySecret | None]:
+    parsed: _Parsed, key: str, keyring: EntryKeyring | None
+) -> tuple[Any, bytes, EntrySecret | None]:
     """The hasher to feed the payload to, the tag it must produce and the secret (None
-    for the checksum); raises when `keyring` must refuse the entry outright."""
-    secret = None
-    if keyring is not None:
-        _signer(keyring)  # the type check
-        key_id = view[_ID_AT:_AUTH_END] if authenticated else None
-        secret = None if key_id is None else keyring.secret_for(key_id)
-        if secret is None and (authenticated or not keyring.accept_unauthenticated):
-            _refuse(view, key, rt, key_id, keyring)
+    for the checksum); raises `ForgedEntry` when `keyring` refuses the entry outright."""
+    rt = _runtime or _rt()
+    header = parsed.header
+    checksum = _checksum_hasher(header, parsed.authenticated, rt), header[_DIGEST_AT:_FIXED_SIZE]
+    if keyring is None:
+        return (*checksum, None)
+    _signer(keyring)  # the type check
+    if not parsed.authenticated:
+        if keyring.serves_unsigned():
+            return (*checksum, None)
+        raise ForgedEntry(
+            f"entry for key {key[:120]!r} carries no MAC, and this keyring accepts only "
+            "authenticated entries (MMKEY_ENTRY_AUTH=migrate with MMKEY_ENTRY_MIGRATE_UNTIL, "
+            "or migrate_until, opens a migration window)",
+            reason="unsigned",
+        )
+    key_id = header[_ID_AT:_AUTH_END]
+    secret = keyring.secret_for(key_id)
     if secret is None:
-        return _checksum_hasher(view[:head], authenticated, rt), view[_DIGEST_AT:_FIXED_SIZE], None
-    return _Mac(secret, view[:head], payload), view[_MAC_AT:_ID_AT], secret
+        held = ", ".join(s.key_id.hex() for s in (keyring.current, *keyring.previous))
+        raise ForgedEntry(
+            f"entry for key {key[:120]!r} names secret {key_id.hex()}, which this keyring "
+            f"does not hold (it holds {held}; keep a rotated-out secret in previous, with a "
+            "not-after time, while its entries live)",
+            reason="unknown_key",
+        )
+    issued = parsed.issued_at
+    if secret.not_after is not None and (
+        secret.expired(time.time()) or (issued is not None and issued > secret.not_after.timestamp())
+    ):
+        raise ForgedEntry(
+            f"entry for key {key[:120]!r} was made with secret {key_id.hex()}, which expired "
+            f"at {secret.not_after.isoformat()}",
+            reason="expired",
+        )
+    return _Mac(secret, header), header[_MAC_AT:_ID_AT], secret
 
 
 def decode_entry_into(
@@ -570,34 +717,48 @@ def decode_entry_into(
     of a pool) whose concatenation along the first dimension has it.
 
     Every target must be a contiguous CPU tensor. Raises `CorruptEntry` (or `ForgedEntry`)
-    like `decode_entry`, also when the entry holds another dtype or shape than the targets
-    take; the targets are written only once the entry has verified. `data` must not change
-    while this runs.
+    like `decode_entry`, and `CorruptEntry` when a verified entry holds another dtype or
+    shape than the targets take; the targets are written only once the entry has
+    verified, with exactly the bytes that verified (copied into private memory as they
+    were hashed, then into the targets).
     """
+    verify_entry_into(key, data, out, keyring=keyring)
+
+
+def verify_entry_into(
+    key: str,
+    data: Buffer,
+    out: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    keyring: EntryKeyring | None = None,
+) -> bool:
+    """`decode_entry_into`, returning whether the entry was served without a MAC under
+    `keyring` (its migration window)."""
     rt = _runtime or _rt()
     raw_key = _key_bytes(key)
     targets = _runs(out, rt, "decode_entry_into", "targets")
     view = _byte_view(data)
-    dtype, shape, head, payload, _, authenticated = _parse_as(view, key, raw_key, rt)
-    if dtype != targets.dtype or shape != targets.shape:
+    parsed = _parse_as(view, key, raw_key, rt, keyring)
+    verifier, expected, secret = _verifier(parsed, key, keyring)
+    payload = parsed.payload_size
+    scratch = _scratch(payload, rt)
+    if payload:
+        private = rt.memory_view(scratch.data_ptr(), payload, _PyBUF_WRITE)
+        _copy_hashing(private, view[parsed.header_size :], verifier)
+    _verify(verifier.digest(), expected, key, secret, keyring)
+    if parsed.dtype != targets.dtype or parsed.shape != targets.shape:
         raise CorruptEntry(
-            f"entry for key {key[:120]!r} holds {dtype} {shape}, the targets take "
-            f"{targets.dtype} {targets.shape}"
+            f"entry for key {key[:120]!r} holds {parsed.dtype} {parsed.shape}, the targets "
+            f"take {targets.dtype} {targets.shape}"
         )
-    verifier, expected, secret = _verifier(view, head, payload, authenticated, key, keyring, rt)
-    verifier.update(view[head:])
-    _verify(verifier.digest(), expected, view, authenticated, key, rt, secret)
-    if not payload:
-        return
-    import torch
-
-    source = torch.frombuffer(view, dtype=torch.uint8, count=payload, offset=head)
-    at = 0
-    for run in targets.tensors:
-        size = run.numel() * run.element_size()
-        if size:
-            run.view(-1).view(torch.uint8).copy_(source[at : at + size])
-        at += size
+    if payload:
+        at = 0
+        for run in targets.tensors:
+            size = run.numel() * run.element_size()
+            if size:
+                rt.memory_view(run.data_ptr(), size, _PyBUF_WRITE)[:] = private[at : at + size]
+            at += size
+    return keyring is not None and secret is None
 
 
 def payload_runs(value: object, function: str, what: str) -> list[torch.Tensor]:
@@ -663,52 +824,24 @@ def _runs(value: object, rt: _Runtime, function: str, what: str) -> _Runs:
     return _Runs(tensors, first.dtype, (sum(t.shape[0] for t in tensors), *rest))
 
 
-def _checksum_holds(view: memoryview, authenticated: bool, rt: _Runtime) -> bool:
-    checksum = _checksum_hasher(view, authenticated, rt)
-    return bool(checksum.digest() == view[_DIGEST_AT:_FIXED_SIZE])
-
-
 def _verify(
     digest: bytes,
-    expected: memoryview,
-    view: memoryview,
-    authenticated: bool,
+    expected: bytes,
     key: str,
-    rt: _Runtime,
     secret: EntrySecret | None,
+    keyring: EntryKeyring | None,
 ) -> None:
-    """Raise unless `digest` is the checksum (or, with `secret`, the MAC) the entry carries."""
+    """Raise unless `digest` is the checksum (or, with `secret`, the MAC) the entry carries;
+    under a `keyring` the refusal is a `ForgedEntry`."""
     if secret is None:
-        if digest != expected:
-            raise CorruptEntry(f"entry for key {key[:120]!r} fails its checksum")
-        return
+        if digest == expected:
+            return
+        message = f"entry for key {key[:120]!r} fails its checksum"
+        if keyring is None:
+            raise CorruptEntry(message)
+        raise ForgedEntry(message, reason="unsigned")
     if not hmac.compare_digest(digest, expected):
-        if not _checksum_holds(view, authenticated, rt):
-            raise CorruptEntry(f"entry for key {key[:120]!r} fails its checksum")
         raise ForgedEntry(
-            f"entry for key {key[:120]!r} fails its MAC under secret {secret.key_id.hex()}"
+            f"entry for key {key[:120]!r} fails its MAC under secret {secret.key_id.hex()}",
+            reason="bad_mac",
         )
-
-
-def _refuse(
-    view: memoryview,
-    key: str,
-    rt: _Runtime,
-    key_id: memoryview | None,
-    keyring: EntryKeyring,
-) -> None:
-    """Raise for an entry `keyring` holds no secret for: corrupt if its checksum fails."""
-    if not _checksum_holds(view, key_id is not None, rt):
-        raise CorruptEntry(f"entry for key {key[:120]!r} fails its checksum")
-    if key_id is None:
-        raise ForgedEntry(
-            f"entry for key {key[:120]!r} carries no MAC, and this keyring accepts only "
-            "authenticated entries (set accept_unauthenticated, or "
-            "MMKEY_ENTRY_ACCEPT_UNAUTHENTICATED=1, for a migration window)"
-        )
-    held = ", ".join(s.key_id.hex() for s in (keyring.current, *keyring.previous))
-    raise ForgedEntry(
-        f"entry for key {key[:120]!r} names secret {key_id.hex()}, which this keyring does "
-        f"not hold (it holds {held}; keep a rotated-out secret in previous while its "
-        "entries live)"
-    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from mmkey.cache._guard import insert_args, key_texts
 from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
-from mmkey.cache.codec import decode_entry, encode_entry
+from mmkey.cache.codec import encode_entry, verify_entry
 from mmkey.cache.protocol import CacheStats
 from mmkey.errors import CorruptEntry, ForgedEntry, StoreClosed
 from mmkey.keys import CacheKey
@@ -49,6 +50,8 @@ class MemoryCache:
         self._closed = False
         self._hits = self._misses = self._inserts = self._evictions = self._corrupt = 0
         self._forged = 0
+        self._reasons: collections.Counter[str] = collections.Counter()
+        self._unsigned_served = 0
 
     @property
     def max_bytes(self) -> int:
@@ -93,22 +96,31 @@ class MemoryCache:
         results: list[torch.Tensor | None] = []
         corrupt: list[tuple[str, bytes]] = []
         forged = 0
+        reasons: collections.Counter[str] = collections.Counter()
+        unsigned = 0
         for text, entry in zip(texts, found):
             if entry is None:
                 results.append(None)
                 continue
             try:
-                results.append(decode_entry(text, entry, keyring=self._keyring))
+                tensor, served_unsigned = verify_entry(text, entry, keyring=self._keyring)
             except CorruptEntry as exc:
-                forged += isinstance(exc, ForgedEntry)
+                if isinstance(exc, ForgedEntry):
+                    forged += 1
+                    reasons[exc.reason] += 1
                 corrupt.append((text, entry))
                 results.append(None)
+            else:
+                unsigned += served_unsigned
+                results.append(tensor)
         hits = sum(result is not None for result in results)
         with self._lock:
             self._hits += hits
             self._misses += len(results) - hits
             self._corrupt += len(corrupt) - forged
             self._forged += forged
+            self._reasons.update(reasons)
+            self._unsigned_served += unsigned
             for text, entry in corrupt:
                 if self._entries.get(text) is entry:
                     self._drop(text)
@@ -151,6 +163,11 @@ class MemoryCache:
                 evictions=self._evictions,
                 corrupt=self._corrupt,
                 forged=self._forged,
+                unsigned=self._reasons["unsigned"],
+                unknown_key=self._reasons["unknown_key"],
+                expired=self._reasons["expired"],
+                bad_mac=self._reasons["bad_mac"],
+                unsigned_served=self._unsigned_served,
                 bytes_held=self._held,
                 entries=len(self._entries),
             )

@@ -31,12 +31,13 @@ from mmkey.cache._runner import CallTimeout
 from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.cache.health import CacheHealth
 from mmkey.cache.codec import (
-    decode_entry,
-    decode_entry_into,
     encode_entry_into,
     entry_header,
     entry_size,
+    largest_entry_size,
     payload_runs,
+    verify_entry,
+    verify_entry_into,
 )
 from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
@@ -54,8 +55,11 @@ _RPC_FAILURES = frozenset({-900, -901})
 _BUFFER_TOO_SMALL = -600
 _TRANSFER_FAILURES = range(-899, -799)
 """Codes of a transfer that reached the master but not the holder (TRANSFER_FAIL, -800...)."""
-_Sink = Callable[[str, memoryview, bool], None]
-"""Takes one entry read: its key text, its bytes, and whether it may keep (alias) them."""
+_Sink = Callable[[str, memoryview], bool]
+"""Takes one entry read (its key text, its bytes, which it must not keep: they may lie in
+memory registered with the store); returns whether it verified."""
+_Bounds = Callable[[str], int]
+"""The most bytes an entry under a key may have to be read at all."""
 _UNKNOWN = ""
 """The holder group of keys read before any failure, without looking their holders up."""
 _GROUPED_S = 60.0
@@ -171,6 +175,8 @@ class _Counters:
         self._lock = threading.Lock()
         self.hits = self.misses = self.inserts = self.corrupt = self.errors = 0
         self.forged = self.skipped = 0
+        self.unsigned = self.unknown_key = self.expired = self.bad_mac = 0
+        self.unsigned_served = self.oversized = 0
 
     def add(self, **deltas: int) -> None:
         with self._lock:
@@ -195,6 +201,12 @@ class _Counters:
                 forged=self.forged,
                 errors=self.errors,
                 skipped=self.skipped,
+                unsigned=self.unsigned,
+                unknown_key=self.unknown_key,
+                expired=self.expired,
+                bad_mac=self.bad_mac,
+                unsigned_served=self.unsigned_served,
+                oversized=self.oversized,
                 bytes_held=None,  # the entries live in the store's holders, not here
                 entries=None,
             )
@@ -232,7 +244,7 @@ class MooncakeCache:
         except ImportError as exc:
             raise StoreError(f"the Mooncake binding cannot be imported ({exc}); {_INSTALL_HINT}") from None
         self._config = config
-        self._keyring = keyring_for_cache(keyring, "MooncakeCache")
+        self._keyring = keyring_for_cache(keyring, "MooncakeCache", shared=True)
         self._counts = _Counters()
         self._closed = False
         self._skips = _SummaryLog("Mooncake calls answered as misses without the store: %s")
@@ -242,6 +254,7 @@ class MooncakeCache:
         )
         self._replicas: ReplicateConfig | None = None  # made on first write
         self._grouped_until = 0.0  # reads look holders up until then (after a failure)
+        self._told_untrusted = False
         self._transport.connect(time.monotonic() + config.setup_deadline)
 
     @property
@@ -283,13 +296,18 @@ class MooncakeCache:
     def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """The verified embedding of each key, or None (a miss, a corrupt entry, a fault).
 
-        A key given twice gets two distinct tensors.
+        Each tensor holds exactly the bytes that verified, copied out of the registered
+        staging buffer as they were hashed. Entries larger than ``config.max_entry_size``
+        are misses, never fetched. A key given twice gets two distinct tensors.
         """
         texts = self._texts(keys, "get_embeddings")
         unique = list(dict.fromkeys(texts))
         found: dict[str, torch.Tensor] = {}
         if unique:
-            self._read(unique, self._give_up(), functools.partial(self._decode_into, found))
+            limit = self._config.max_entry_size
+            self._read(
+                unique, self._give_up(), functools.partial(self._decode_into, found), lambda _: limit
+            )
         result: list[torch.Tensor | None] = []
         handed: set[str] = set()
         for text in texts:
@@ -319,7 +337,12 @@ class MooncakeCache:
 
     def register_memory(self, tensor: torch.Tensor) -> None:
         """Register a contiguous host tensor (e.g. an embedding pool) with the store, so that
-        `insert_from` sends entries straight from it. Registered again whenever the store
+        `insert_from` sends entries straight from it, when ``config.trusted_network`` is
+        set; otherwise do nothing, and `insert_from` sends entries through staging.
+
+        Memory registered with Mooncake is writable by anyone who reaches this process's
+        transfer ports (no authentication exists there), so caller memory is registered
+        only on a network where every host is trusted. Registered again whenever the store
         is set up; the tensor is kept referenced until `close`. Raises `TypeError` for a
         tensor that is not contiguous CPU memory, `ValueError` for memory that overlaps
         memory registered before."""
@@ -334,6 +357,14 @@ class MooncakeCache:
                 "register_memory() takes a non-empty contiguous CPU tensor, got shape "
                 f"{tuple(tensor.shape)} on {tensor.device}"
             )
+        if not self._config.trusted_network:
+            if not self._told_untrusted:
+                self._told_untrusted = True
+                _LOG.info(
+                    "register_memory: not registered (trusted_network is off: registered "
+                    "memory is writable from the network); puts go through staging"
+                )
+            return
         self._transport.register_memory(tensor)
 
     def read_into(
@@ -355,23 +386,30 @@ class MooncakeCache:
         plans = _target_runs(targets, len(texts), "read_into", "targets")
         landed: set[int] = set()
         by_text: dict[str, list[int]] = {}  # a key given twice fills both targets
-        for i, text in enumerate(texts):
+        bounds: dict[str, int] = {}  # the largest entry each key's targets can take
+        for i, (text, runs) in enumerate(zip(texts, plans)):
             by_text.setdefault(text, []).append(i)
+            nbytes = sum(_nbytes(t) for t in runs)
+            bounds[text] = max(bounds.get(text, 0), largest_entry_size(text, nbytes, runs[0].dim()))
 
-        def sink(text: str, raw: memoryview, owned: bool) -> None:
+        def sink(text: str, raw: memoryview) -> bool:
             refused: CorruptEntry | None = None
+            unsigned = False
             for i in by_text[text]:
                 try:
-                    decode_entry_into(text, raw, plans[i], keyring=self._keyring)
+                    unsigned = verify_entry_into(text, raw, plans[i], keyring=self._keyring)
                 except CorruptEntry as exc:  # ForgedEntry included
                     refused = exc
                 else:
                     landed.add(i)
             if refused is not None:  # counted once per entry read
                 self._refused(refused)
+            elif unsigned:
+                self._counts.add(unsigned_served=1)
+            return refused is None
 
         if by_text:
-            self._read(list(by_text), self._give_up(), sink)
+            self._read(list(by_text), self._give_up(), sink, bounds.__getitem__)
         result = [i in landed for i in range(len(texts))]
         hits = sum(result)
         self._counts.add(hits=hits, misses=len(result) - hits)
@@ -455,8 +493,14 @@ class MooncakeCache:
         self._counts.skip()
         self._skips.note("master unreachable (breaker open)")
 
-    def _read(self, texts: list[str], give_up: float, sink: _Sink) -> None:
+    def _read(self, texts: list[str], give_up: float, sink: _Sink, bound: _Bounds) -> None:
         """Hand `sink` each entry found, all within one deadline.
+
+        No entry larger than ``bound(key)`` is transferred: a batch's slots are no larger
+        than its keys' largest bound, and an entry that does not fit its slot is read alone
+        only after the store's size for it (``get_size``) is within its bound; larger ones
+        are misses, counted as ``oversized``. The slot size learns only from entries that
+        verified.
 
         While every holder is healthy, keys go to the store in one transfer per staging
         buffer (holders unknown). Once a transfer failed, and while any holder is quarantined
@@ -499,7 +543,7 @@ class MooncakeCache:
                 del pending[: len(chunk)]
                 if pending:
                     groups[endpoint] = pending
-                slot = slots.slot_for(len(chunk))
+                slot = min(slots.slot_for(len(chunk)), aligned(max(map(bound, chunk))))
                 work = functools.partial(
                     self._transfer_on_worker, chunk=chunk, slot=slot, give_up=give_up
                 )
@@ -520,7 +564,7 @@ class MooncakeCache:
                 groups.pop(endpoint, None)
                 continue  # the lane stays taken: it may still be stuck
             failed = self._decode_chunk(
-                sink, lane, chunk, slot, outcome, too_big.setdefault(endpoint, [])
+                sink, lane, chunk, slot, outcome, too_big.setdefault(endpoint, []), bound
             )
             taken.discard(self._transport.lanes.index(lane))
             if failed:
@@ -531,14 +575,20 @@ class MooncakeCache:
             large_lane = self._transport.pick_lane(set())
             if not large or large_lane is None or time.monotonic() >= give_up:
                 continue
-            work_large = functools.partial(self._read_large_on_worker, texts=large, give_up=give_up)
+            work_large = functools.partial(
+                self._read_large_on_worker, texts=large, give_up=give_up, bound=bound
+            )
             got = self._transport.finish(self._transport.submit(large_lane, work_large), give_up)
             if isinstance(got, BaseException):
                 self._holder_failed(endpoint, large, got)
                 continue
-            buffers, largest = got
+            buffers, oversized = got
+            for text, size in oversized.items():
+                self._oversized(text, size, bound(text))
+            largest = 0
             for text, buf in buffers.items():
-                sink(text, buf.numpy().data, True)
+                if sink(text, buf.numpy().data):
+                    largest = max(largest, buf.numel())
             large_lane.staging.slots.observe(largest)
 
     def _group_by_holder(self, texts: list[str], give_up: float) -> dict[str, list[str]] | None:
@@ -574,6 +624,7 @@ class MooncakeCache:
         slot: int,
         moved: tuple[memoryview, list[int]],
         too_big: list[str],
+        bound: _Bounds,
     ) -> list[str]:
         """Hand one transfer's entries in the lane's staging buffer to `sink`, then release
         the buffer; returns the keys whose transfer failed (their holder did not answer)."""
@@ -582,9 +633,11 @@ class MooncakeCache:
         failed: list[str] = []
         try:
             for i, (text, code) in enumerate(zip(chunk, codes)):
-                if code > 0:
-                    largest = max(largest, code)
-                    sink(text, staging[i * slot : i * slot + code], False)
+                if code > bound(text):
+                    self._oversized(text, code, bound(text))
+                elif code > 0:
+                    if sink(text, staging[i * slot : i * slot + code]):
+                        largest = max(largest, code)
                 elif code == _BUFFER_TOO_SMALL:
                     too_big.append(text)
                 elif code in _TRANSFER_FAILURES:
@@ -634,13 +687,21 @@ class MooncakeCache:
 
     def _probe_quarantined(self) -> None:
         for endpoint, keys in self._transport.quarantine.due_probes():
-            probe = functools.partial(self._probe_on_worker, endpoint=endpoint, keys=keys)
+            probe = functools.partial(
+                self._probe_on_worker,
+                endpoint=endpoint,
+                keys=keys,
+                limit=self._config.max_entry_size,
+            )
             self._transport.probe(probe, endpoint)
 
     @staticmethod
-    def _probe_on_worker(store: MooncakeDistributedStore, endpoint: str, keys: list[str]) -> bool:
+    def _probe_on_worker(
+        store: MooncakeDistributedStore, endpoint: str, keys: list[str], limit: int
+    ) -> bool:
         """Whether a quarantined holder may be read again: the master no longer lists it for
-        the keys it failed on, or one of them reads back from it in full."""
+        the keys it failed on, or one of them (no larger than `limit`) reads back from it
+        in full."""
         import torch
 
         placed = store.batch_get_replica_desc(keys)
@@ -649,7 +710,7 @@ class MooncakeCache:
             _LOG.warning("Mooncake holder %s re-admitted: the master no longer lists it", endpoint)
             return True
         size = store.get_size(listed[0])
-        if size <= 0:
+        if size <= 0 or size > limit:
             return False
         buf = torch.empty(size, dtype=torch.uint8)
         with _registered(store, buf) as ptr:
@@ -688,13 +749,16 @@ class MooncakeCache:
         lane_staging: Staging,
         texts: list[str],
         give_up: float,
-    ) -> tuple[dict[str, torch.Tensor], int]:
+        bound: _Bounds,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Entries larger than a staging slot, each read into a byte buffer of its exact
-        size; returns those buffers and the largest size seen. Stops at the call's deadline."""
+        size once the store says that size is within its key's bound; returns those
+        buffers, and the sizes of the entries left unread for being larger. Stops at the
+        call's deadline."""
         import torch
 
         found: dict[str, torch.Tensor] = {}
-        largest = 0
+        oversized: dict[str, int] = {}
         for text in texts:
             if time.monotonic() >= give_up:
                 break
@@ -703,7 +767,9 @@ class MooncakeCache:
                 raise StoreError(f"get_size: master unreachable ({size})")
             if size <= 0:
                 continue
-            largest = max(largest, size)
+            if size > bound(text):
+                oversized[text] = size
+                continue
             try:
                 buf = torch.empty(size, dtype=torch.uint8)
             except (MemoryError, RuntimeError):  # a huge foreign value: a miss, counted
@@ -717,22 +783,34 @@ class MooncakeCache:
                 raise TransferFailed(f"get_into: transfer failed ({got})")
             if got == size:
                 found[text] = buf
-        return found, largest
+        return found, oversized
 
-    def _decode_into(
-        self, found: dict[str, torch.Tensor], text: str, raw: memoryview, owned: bool
-    ) -> None:
-        """A `_Sink` that decodes into `found` (aliasing `raw` when it is `owned`)."""
+    def _decode_into(self, found: dict[str, torch.Tensor], text: str, raw: memoryview) -> bool:
+        """A `_Sink` that decodes into `found`: a private copy of exactly the bytes verified."""
         try:
-            found[text] = decode_entry(text, raw, copy=not owned, keyring=self._keyring)
+            found[text], unsigned = verify_entry(text, raw, keyring=self._keyring)
         except CorruptEntry as exc:  # ForgedEntry included
             self._refused(exc)
+            return False
+        if unsigned:
+            self._counts.add(unsigned_served=1)
+        return True
 
     def _refused(self, exc: CorruptEntry) -> None:
         """Count and (rate-limited) log an entry that did not verify."""
-        forged = isinstance(exc, ForgedEntry)
-        self._counts.add(**{"forged" if forged else "corrupt": 1})
-        self._refusals.note("forged (MAC)" if forged else "corrupt or not the expected shape")
+        if isinstance(exc, ForgedEntry):
+            self._counts.add(forged=1, **{exc.reason: 1})
+            self._refusals.note(f"forged ({exc.reason})")
+        else:
+            self._counts.add(corrupt=1)
+            self._refusals.note("corrupt or not the expected shape")
+
+    def _oversized(self, text: str, size: int, bound: int) -> None:
+        """Count (and log, rate-limited) an entry left unread for being larger than its
+        reader can use: under a keyring it is forged (no genuine entry is that large)."""
+        self._counts.add(oversized=1)
+        message = f"entry for key {text[:120]!r} has {size} bytes, more than the {bound} read"
+        self._refused(ForgedEntry(message) if self._keyring is not None else CorruptEntry(message))
 
     def _write(
         self, texts: list[str], tensors: list[torch.Tensor], give_up: float

@@ -120,6 +120,16 @@ class MooncakeConfig:
     replica_num: int = attrs.field(default=1, validator=_replicas)
     """Copies of each entry written (Mooncake's `ReplicateConfig.replica_num`), each on a
     different holder: with 2 or more, an entry survives the death of the holder of one copy."""
+    trusted_network: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    """Trusted-network mode (``MMKEY_TRUSTED_NETWORK=1``): `MooncakeCache.register_memory`
+    registers the caller's memory (e.g. SGLang's pools) so puts go straight from it. Memory
+    registered with Mooncake is writable by anyone who reaches this process's transfer
+    ports, so set it only where no host outside the fleet can reach them. Off: caller
+    memory is never registered, entries move through this cache's staging buffers."""
+    max_entry_size: int = attrs.field(default=64 << 20, validator=_positive_size)
+    """The largest entry `MooncakeCache.get_embeddings` fetches (``MMKEY_MAX_ENTRY_SIZE``);
+    a larger value under a key is a miss, counted as oversized, and is not transferred.
+    `read_into` fetches no more than its targets can take."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> MooncakeConfig:
@@ -128,7 +138,8 @@ class MooncakeConfig:
         ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``,
         ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_TENANT_ID``,
         and ``MOONCAKE_REPLICA_NUM`` (the name Mooncake's deployment scripts use; the binding
-        itself reads no variable for it). Keyword overrides win."""
+        itself reads no variable for it); and mmkey's ``MMKEY_TRUSTED_NETWORK`` (0 or 1) and
+        ``MMKEY_MAX_ENTRY_SIZE``. Keyword overrides win."""
         env = os.environ if environ is None else environ
         fields: dict[str, Any] = {}
         path = env.get("MOONCAKE_CONFIG_PATH")
@@ -143,7 +154,15 @@ class MooncakeConfig:
                 "no Mooncake master configured: set MOONCAKE_MASTER=host:port "
                 "(or MOONCAKE_CONFIG_PATH to a JSON config file)"
             )
-        for name in ("global_segment_size", "local_buffer_size"):
+        for var, name in _MMKEY_FIELDS.items():
+            if env.get(var) and name not in overrides:
+                fields[name] = env[var]
+        if isinstance(fields.get("trusted_network"), str):
+            flag = fields["trusted_network"]
+            if flag not in ("0", "1"):
+                raise ValueError(f"MMKEY_TRUSTED_NETWORK must be 0 or 1, got {flag!r}")
+            fields["trusted_network"] = flag == "1"
+        for name in ("global_segment_size", "local_buffer_size", "max_entry_size"):
             if name in fields:
                 fields[name] = parse_size(fields[name], name)
         if isinstance(fields.get("replica_num"), str):
@@ -177,6 +196,11 @@ _ENV_FIELDS = {
     "MOONCAKE_TENANT_ID": "tenant_id",
     "MOONCAKE_REPLICA_NUM": "replica_num",
 }
+_MMKEY_FIELDS = {
+    "MMKEY_TRUSTED_NETWORK": "trusted_network",
+    "MMKEY_MAX_ENTRY_SIZE": "max_entry_size",
+}
+"""mmkey's own settings of a Mooncake cache (not Mooncake's: never in its config file)."""
 _FILE_FIELDS = frozenset(_ENV_FIELDS.values())
 """A config file holds the same fields as the environment variables, by Mooncake's names."""
 

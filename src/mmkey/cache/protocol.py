@@ -37,6 +37,19 @@ class CacheStats:
     skipped: int = 0
     """Calls answered without asking the store (served as misses or failed inserts): the
     store was known to be down, or every copy of an entry sat on a failed holder."""
+    unsigned: int = 0
+    """Of `forged`: entries without a MAC, read outside a migration window."""
+    unknown_key: int = 0
+    """Of `forged`: entries naming a secret the keyring does not hold."""
+    expired: int = 0
+    """Of `forged`: entries made with a previous secret past its not-after time."""
+    bad_mac: int = 0
+    """Of `forged`: entries whose MAC (or header, key or size) does not verify."""
+    unsigned_served: int = 0
+    """Entries without a MAC served during a migration window (``MMKEY_ENTRY_AUTH=migrate``)."""
+    oversized: int = 0
+    """Entries left unread for being larger than the reader could use (of `forged` under a
+    keyring, of `corrupt` without one)."""
     bytes_held: int | None = None
     """Encoded bytes this cache holds, or ``None`` where it cannot know: a client of a remote
     store, whose entries live in other processes, says so instead of reporting 0."""

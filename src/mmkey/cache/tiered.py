@@ -232,6 +232,12 @@ class TieredCache:
                 errors=self._errors + s1.errors + s2.errors,
                 forged=s1.forged + s2.forged,
                 skipped=s1.skipped + s2.skipped,
+                unsigned=s1.unsigned + s2.unsigned,
+                unknown_key=s1.unknown_key + s2.unknown_key,
+                expired=s1.expired + s2.expired,
+                bad_mac=s1.bad_mac + s2.bad_mac,
+                unsigned_served=s1.unsigned_served + s2.unsigned_served,
+                oversized=s1.oversized + s2.oversized,
                 bytes_held=_known_sum(s1.bytes_held, s2.bytes_held),
                 entries=_known_sum(s1.entries, s2.entries),
             )
