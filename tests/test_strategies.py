@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 from hypothesis import find, given
 from hypothesis import strategies as st
@@ -70,3 +73,14 @@ def test_feature_tensors_reach_bf16_empty_scalar_and_strided() -> None:
     assert find(feature_tensors(), lambda t: t.numel() == 0).numel() == 0
     assert find(feature_tensors(), lambda t: t.dim() == 0).dim() == 0
     assert not find(feature_tensors(), lambda t: not t.is_contiguous()).is_contiguous()
+
+
+def test_the_strategies_module_imports_first_and_registers_its_types() -> None:
+    # importing it before hypothesis runs mmkey's hypothesis entry point mid-import
+    code = (
+        "import mmkey.testing.strategies\n"
+        "from hypothesis import strategies as st\n"
+        "from mmkey import EmbeddingKey\n"
+        "assert isinstance(st.from_type(EmbeddingKey).example(), EmbeddingKey)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

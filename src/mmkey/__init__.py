@@ -1,7 +1,7 @@
 """mmkey: typed, round-tripping cache keys and strict embedding caches for multimodal serving.
 
 A digest is an `MMHash`; the only road from it to a store key is an `EmbeddingKey` and
-its `to_key()`; every cache takes `CacheKey` objects only. Importing mmkey imports
+its `~EmbeddingKey.to_key`; every cache takes `CacheKey` objects only. Importing mmkey imports
 neither torch nor mooncake: they load when a function needs them, and the Mooncake
 client (`MooncakeCache`) loads on first use of its name.
 """

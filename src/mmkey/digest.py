@@ -53,7 +53,7 @@ class Modality(enum.Enum):
 
 
 def mm_hash(n: int, scheme: HashScheme | None = None) -> MMHash:
-    """Check that `n` is a digest (``0 <= n < 2**128``, or the scheme's width) and type it.
+    """Check that ``n`` is a digest (``0 <= n < 2**128``, or the scheme's width) and type it.
 
     Raises `TypeError` for anything that is not an int, and `InvalidDigest` for a
     `bool` or an int out of range.

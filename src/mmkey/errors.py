@@ -40,7 +40,7 @@ MAC (or its checksum, its header or its key: every refusal under a keyring)."""
 
 class ForgedEntry(CorruptEntry):
     """An entry a reader with a keyring refused: its MAC does not verify under a secret of
-    the keyring that has not expired, or it carries none (see `reason`).
+    the keyring that has not expired, or it carries none (see ``reason``).
 
     A `CorruptEntry`, so code that drops corrupt entries drops forged ones too.
     """

@@ -35,7 +35,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A read-only ``uint8`` memoryview of `t`'s C-order bytes, on the CPU.
+    """A read-only ``uint8`` memoryview of ``t``'s C-order bytes, on the CPU.
 
     Zero-copy for a contiguous CPU tensor; a non-contiguous or device tensor is copied
     once (to C order, to host memory) first.
@@ -69,7 +69,7 @@ def _frame(t: torch.Tensor, nbytes: int) -> bytes:
 
 
 def hash_tensor(t: torch.Tensor, scheme: HashScheme = HashScheme.BLAKE3) -> MMHash:
-    """The digest of a tensor's dtype, shape and C-order bytes under `scheme`."""
+    """The digest of a tensor's dtype, shape and C-order bytes under ``scheme``."""
     _check_scheme(scheme)
     data = tensor_bytes(t)
     if scheme is HashScheme.SGLANG:
@@ -78,7 +78,7 @@ def hash_tensor(t: torch.Tensor, scheme: HashScheme = HashScheme.BLAKE3) -> MMHa
 
 
 def hash_bytes(data: Buffer, scheme: HashScheme = HashScheme.BLAKE3) -> MMHash:
-    """The digest of bytes-like `data` under `scheme` (for SGLANG, of the raw bytes)."""
+    """The digest of bytes-like ``data`` under ``scheme`` (for SGLANG, of the raw bytes)."""
     view = _as_bytes(data)
     if _check_scheme(scheme) is HashScheme.SGLANG:
         return _sglang(view)

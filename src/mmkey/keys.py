@@ -135,7 +135,7 @@ def _check_scheme(_: object, __: object, value: Any) -> None:
 class EmbeddingKey:
     """The key of one item's embedding: what produced it, and the digest of its features.
 
-    `namespace` names what produced the embedding (model, revision, preprocessing), so
+    ``namespace`` names what produced the embedding (model, revision, preprocessing), so
     one image under two models gives two keys.
     """
 
@@ -262,7 +262,7 @@ def key_text(key: object) -> str:
     """The store text of `key`, checking at run time that it is a `CacheKey`.
 
     Raises `TypeError` naming the fix for ints, digests and plain strings, and
-    `InvalidKey` when a foreign `to_key()` returns text outside the key alphabet.
+    `InvalidKey` when a foreign ``to_key()`` returns text outside the key alphabet.
     """
     if type(key) is EmbeddingKey:
         return key.to_key()

@@ -90,7 +90,7 @@ class AsyncCache:
     """Awaitable calls on a synchronous `cache`, each run in a worker thread.
 
     The event loop never waits on the cache's locks, hashing or store calls. Calls run in
-    `executor`, or the loop's default executor when None. Argument checks happen in the
+    ``executor``, or the loop's default executor when None. Argument checks happen in the
     worker, so errors surface from the ``await``. A cancelled read still finishes in its
     thread; a cancelled `insert_batch` returns only once its worker stopped reading the
     caller's tensors (see there). `close` closes the wrapped cache.
@@ -136,7 +136,7 @@ class AsyncCache:
 
         The worker reads CUDA embeddings only once the caller's work on them is done: an
         event is recorded here, on the caller's thread, on its current streams (see
-        `mmkey._tensors.host_ready`), so output written on a side stream is never stored
+        ``mmkey._tensors.host_ready``), so output written on a side stream is never stored
         early. Cancelled before its worker started, the insert never runs; cancelled while
         it runs, the ``await`` raises `asyncio.CancelledError` only once the wrapped insert
         has returned (no longer than that cache's own deadline). Either way the caller may

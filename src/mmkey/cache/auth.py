@@ -5,7 +5,7 @@ well-formed entry under any key. With an `EntryKeyring`, every entry a cache wri
 a BLAKE3 keyed MAC over its header, its issue time and its payload, and a cache reads only
 entries whose MAC verifies under the current secret or a previous one that has not expired.
 The entry names the secret by an 8-byte id derived from it; neither the secret nor the MAC
-key derived from it ever appears in a repr, a log line, an error or `stats()`.
+key derived from it ever appears in a repr, a log line, an error or `~mmkey.EmbeddingCache.stats`.
 
 A secret is exactly 32 random bytes; in a file or a variable it is written as 64 hex
 digits and nothing else. Caches read the keyring from the environment when built, unless
@@ -236,7 +236,7 @@ class EntrySecret:
     def from_secret(
         cls, secret: bytes | str, *, not_after: dt.datetime | None = None
     ) -> EntrySecret:
-        """Derive the MAC key and the id from `secret`: exactly 32 random bytes, or those
+        """Derive the MAC key and the id from ``secret``: exactly 32 random bytes, or those
         bytes as 64 hex digits. Passwords, short or padded secrets raise `ValueError`."""
         raw = _secret_bytes(secret, "the entry secret")
         when = None if not_after is None else _utc(not_after, "not_after")
@@ -253,7 +253,7 @@ class EntrySecret:
         return cls(key_id, _Sealed(mac_key), not_after)
 
     def expired(self, now: float) -> bool:
-        """Whether `now` (seconds since the epoch) is past `not_after`."""
+        """Whether ``now`` (seconds since the epoch) is past `not_after`."""
         return self.not_after is not None and now > self.not_after.timestamp()
 
     def hasher(self, max_threads: int = 1) -> blake3.blake3:
@@ -271,9 +271,9 @@ class EntrySecret:
 class EntryKeyring:
     """The secrets a cache signs and verifies entries with, and its mixed-fleet policy.
 
-    Entries are written with `current`; reads accept `current` and each `previous` secret
+    Entries are written with ``current``; reads accept ``current`` and each ``previous`` secret
     until its ``not_after`` (rotation without a cold cache, and an end to a stolen old
-    secret). Entries without a MAC are served only before `migrate_until` (a migration
+    secret). Entries without a MAC are served only before ``migrate_until`` (a migration
     window, counted); otherwise they are misses, counted as forged.
     """
 
@@ -310,8 +310,8 @@ class EntryKeyring:
         *previous: tuple[bytes | str, dt.datetime],
         migrate_until: dt.datetime | None = None,
     ) -> EntryKeyring:
-        """A keyring writing with `current`, also reading entries made with each previous
-        ``(secret, not_after)`` until its time, and unsigned ones before `migrate_until`."""
+        """A keyring writing with ``current``, also reading entries made with each previous
+        ``(secret, not_after)`` until its time, and unsigned ones before ``migrate_until``."""
         olds: list[EntrySecret] = []
         for item in previous:
             value: object = item
@@ -330,7 +330,7 @@ class EntryKeyring:
         A variable that is set but unusable (a secret that is not 64 hex digits, a file
         readable by others, both secret variables at once, a retired variable) raises
         `ValueError` naming the variable and the fix, never the secret. ``MMKEY_ENTRY_KEY``
-        is removed from `environ` once read; in ``os.environ`` this process keeps it.
+        is removed from ``environ`` once read; in ``os.environ`` this process keeps it.
         """
         env: MutableMapping[str, str] = os.environ if environ is None else environ
         for name, fix in _RETIRED_VARIABLES.items():
@@ -365,11 +365,11 @@ class EntryKeyring:
         return cls(current, previous, until)
 
     def secret_for(self, key_id: bytes | memoryview) -> EntrySecret | None:
-        """The secret named by `key_id`, or None if this keyring does not hold it."""
+        """The secret named by ``key_id``, or None if this keyring does not hold it."""
         return self._by_id.get(bytes(key_id))
 
     def serves_unsigned(self, now: float | None = None) -> bool:
-        """Whether entries without a MAC are served at `now` (seconds since the epoch)."""
+        """Whether entries without a MAC are served at ``now`` (seconds since the epoch)."""
         if self.migrate_until is None:
             return False
         return (time.time() if now is None else now) < self.migrate_until.timestamp()
@@ -443,9 +443,9 @@ def auth_mode(environ: Mapping[str, str] | None = None) -> AuthMode | None:
 def keyring_for_cache(
     keyring: EntryKeyring | FromEnv | None, cache: str, *, shared: bool = False
 ) -> EntryKeyring | None:
-    """The keyring a cache named `cache` uses: `keyring` itself, or the environment's.
+    """The keyring a cache named ``cache`` uses: `keyring` itself, or the environment's.
 
-    For a cache over a `shared` store, ``MMKEY_ENTRY_AUTH=required`` or ``migrate``
+    For a cache over a ``shared`` store, ``MMKEY_ENTRY_AUTH=required`` or ``migrate``
     without a secret raises `ValueError` (``keyring=None`` included: the variable is the
     fleet's policy), and no secret in the environment with the variable unset logs one
     WARNING (``keyring=None`` says so on purpose: no warning).

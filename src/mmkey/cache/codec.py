@@ -33,13 +33,13 @@ against the key being read, so truncated, extended, bit-flipped or re-keyed entr
 stops: given an `EntryKeyring` (`mmkey.cache.auth`), `encode_entry` signs entries with its
 current secret and `decode_entry` serves only entries whose MAC verifies under one of its
 secrets that has not expired, raising `ForgedEntry` otherwise (every refusal under a
-keyring is a `ForgedEntry`, with a `reason`). A reader without a keyring decodes
+keyring is a `ForgedEntry`, with a ``reason``). A reader without a keyring decodes
 authenticated entries after their checksum.
 
-Readers verify what they return, not what they saw: the header is copied out of `data`
+Readers verify what they return, not what they saw: the header is copied out of ``data``
 first and parsed from that copy, and the payload is verified while it is copied, chunk by
 chunk, into memory the caller gets (or private scratch memory): bytes that change in
-`data` meanwhile (memory registered with a transfer engine is writable from the network)
+``data`` meanwhile (memory registered with a transfer engine is writable from the network)
 can make an entry fail, never make a tensor differ from the bytes that verified. torch,
 xxhash and blake3 load on first use, never at ``import mmkey``.
 """
@@ -250,7 +250,7 @@ def _key_bytes(key: str) -> bytes:
 
 
 def _plain_cpu(tensor: torch.Tensor, rt: _Runtime) -> tuple[torch.Tensor, int]:
-    """`tensor` as a contiguous CPU tensor without conj/neg bits, and its dtype code."""
+    """``tensor`` as a contiguous CPU tensor without conj/neg bits, and its dtype code."""
     t = plain_cpu(
         tensor, "store", "embeddings must be torch.Tensor", "convert with torch.as_tensor(x)"
     )
@@ -365,7 +365,7 @@ def _seal(
 
 
 def entry_size(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None = None) -> int:
-    """Bytes `encode_entry` writes for `tensor` under `key`: header plus payload."""
+    """Bytes `encode_entry` writes for ``tensor`` under `key`: header plus payload."""
     import torch
 
     value: object = tensor
@@ -377,14 +377,14 @@ def entry_size(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None =
 
 
 def largest_entry_size(key: str, payload_bytes: int, ndim: int) -> int:
-    """The most bytes a genuine entry under `key` with a payload of `payload_bytes` and
-    `ndim` dimensions can have (the largest header any writer makes for it, plus the
+    """The most bytes a genuine entry under `key` with a payload of ``payload_bytes`` and
+    ``ndim`` dimensions can have (the largest header any writer makes for it, plus the
     payload): a reader with a target of that size need not fetch anything larger."""
     return _header_size(ndim, len(_key_bytes(key)), _SIGNED_FLAGS) + payload_bytes
 
 
 def encode_entry(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None = None) -> bytes:
-    """The entry of `tensor` stored under key text `key` (see the module doc for the layout).
+    """The entry of ``tensor`` stored under key text `key` (see the module doc for the layout).
 
     Any strided tensor of a `DTYPE_CODES` dtype on any device; it is copied, never kept.
     With a `keyring`, the entry carries a MAC made with its current secret.
@@ -403,12 +403,12 @@ def encode_entry(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None
 def encode_entry_into(
     buf: Buffer, key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None = None
 ) -> int:
-    """Write the entry of `tensor` at the start of the writable buffer `buf`; bytes written.
+    """Write the entry of ``tensor`` at the start of the writable buffer ``buf``; bytes written.
 
     For registered (pinned) memory: size the region with `entry_size` (same `keyring`).
-    The checksum and MAC are made over `tensor`'s own bytes as they are copied, never over
-    what `buf` holds afterwards: bytes written into `buf` by anyone else meanwhile make the
-    entry fail to verify. Raises `ValueError` when `buf` is read-only or too small; the
+    The checksum and MAC are made over ``tensor``'s own bytes as they are copied, never over
+    what ``buf`` holds afterwards: bytes written into ``buf`` by anyone else meanwhile make the
+    entry fail to verify. Raises `ValueError` when ``buf`` is read-only or too small; the
     bytes after the entry are left untouched.
     """
     rt = _rt()
@@ -432,7 +432,7 @@ def encode_entry_into(
 def entry_header(
     key: str, payload: torch.Tensor | Sequence[torch.Tensor], *, keyring: EntryKeyring | None = None
 ) -> bytes:
-    """The header of the entry whose payload lies in `payload`: one tensor, or several
+    """The header of the entry whose payload lies in ``payload``: one tensor, or several
     (e.g. pages of a pool) that make the embedding when concatenated along the first
     dimension, each a contiguous CPU tensor, none copied.
 
@@ -580,18 +580,18 @@ def peek_header(data: Buffer) -> EntryHeader:
 def decode_entry(
     key: str, data: Buffer, *, copy: bool = True, keyring: EntryKeyring | None = None
 ) -> torch.Tensor:
-    """The tensor stored in entry `data`, verified against key text `key`.
+    """The tensor stored in entry ``data``, verified against key text `key`.
 
     Raises `CorruptEntry` (saying what failed) unless magic, version, dtype, shape, sizes,
     the key and the checksum all verify. With a `keyring`, the entry must instead carry a
     MAC that verifies under one of its secrets (compared in constant time) that has not
-    expired, else `ForgedEntry` (with its `reason`); an entry without a MAC is served only
+    expired, else `ForgedEntry` (with its ``reason``); an entry without a MAC is served only
     in the keyring's migration window. Every refusal under a keyring is a `ForgedEntry`.
     Without a keyring, authenticated entries are served after their checksum like any
     other (such a reader cannot check a MAC, and refusing them would gain it nothing).
 
     The result is a new tensor holding exactly the bytes that verified, copied out of
-    `data` as they were hashed. With ``copy=False`` it is a view of `data` instead, which
+    ``data`` as they were hashed. With ``copy=False`` it is a view of ``data`` instead, which
     must be writable, owned by the caller, written by nobody else and left unchanged while
     the tensor lives (never memory registered with a transfer engine).
     """
@@ -712,8 +712,8 @@ def decode_entry_into(
     *,
     keyring: EntryKeyring | None = None,
 ) -> None:
-    """Verify entry `data` against key text `key` as `decode_entry` does, then copy its
-    payload into `out`: one tensor of the entry's dtype and shape, or several (e.g. pages
+    """Verify entry ``data`` against key text `key` as `decode_entry` does, then copy its
+    payload into ``out``: one tensor of the entry's dtype and shape, or several (e.g. pages
     of a pool) whose concatenation along the first dimension has it.
 
     Every target must be a contiguous CPU tensor. Raises `CorruptEntry` (or `ForgedEntry`)

@@ -2,7 +2,7 @@
 
 Each request is hashed per item, de-duplicated by key, looked up with
 ``batch_is_exist`` then ``get_embeddings``; the misses (and any entry the cache said it
-held but did not return) go to `encode` in one call and are inserted; the embeddings
+held but did not return) go to ``encode`` in one call and are inserted; the embeddings
 come back one per item, in input order. A failing cache never fails the encode: its
 errors are logged, counted in `EncodeReport.cache_errors`, and the items are encoded.
 """
@@ -200,10 +200,10 @@ def encode_with_cache(
 ) -> list[torch.Tensor]:
     """One embedding per item of a request, in input order; only misses are encoded.
 
-    `feature` is a packed ``[sum(t*h*w), ...]`` tensor with its `grid_thw`, or a list
-    of tensors (one per item, e.g. audio). `encode` gets the missed items in the same
+    ``feature`` is a packed ``[sum(t*h*w), ...]`` tensor with its ``grid_thw``, or a list
+    of tensors (one per item, e.g. audio). ``encode`` gets the missed items in the same
     layout and must return one embedding per missed item. Identical items are encoded
-    once and share one tensor. `cache` None encodes everything (de-duplicated).
+    once and share one tensor. ``cache`` None encodes everything (de-duplicated).
     Every embedding comes back on one device: `device` when given; else the device of
     the encoder's first output in this call; else (every item was a cache hit) the
     device of the features. Pass `device` to get the same device on every call.
@@ -382,9 +382,9 @@ async def aencode_with_cache(
 ) -> list[torch.Tensor]:
     """The asyncio twin of `encode_with_cache`, over an `AsyncEmbeddingCache`.
 
-    `encode` may be a coroutine function or a plain one (a plain one runs on the event
+    ``encode`` may be a coroutine function or a plain one (a plain one runs on the event
     loop: wrap a slow model in ``asyncio.to_thread``). Requests of at least
-    `OFFLOAD_HASH_BYTES` are hashed in a worker thread.
+    `~mmkey.encoder.cached.OFFLOAD_HASH_BYTES` are hashed in a worker thread.
     """
     result = await _aencode(
         feature, grid_thw, encode, cache, namespace, modality, scheme, device

@@ -1,7 +1,7 @@
 """Items of a multimodal request: grids, per-item feature rows, digests and keys.
 
 A packed feature tensor is laid out like Qwen2-VL's ``pixel_values``: shape
-``[sum(t*h*w), ...]``, each item's ``t*h*w`` patch rows contiguous and in `grid_thw`
+``[sum(t*h*w), ...]``, each item's ``t*h*w`` patch rows contiguous and in ``grid_thw``
 order. Audio (or any feature without a shared row layout) comes as a list of tensors,
 one per item.
 """
@@ -50,7 +50,7 @@ class Items:
     packed: torch.Tensor | None
     """The packed feature tensor the rows are views of, or None for a list of tensors."""
     grid_tensor: torch.Tensor | None
-    """`grid_thw` as given, when it was a tensor (kept to hand back on its device)."""
+    """``grid_thw`` as given, when it was a tensor (kept to hand back on its device)."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -62,7 +62,7 @@ class Items:
 
 
 def split_items(feature: Features, grid_thw: GridTHW | None) -> Items:
-    """Split `feature` into items by `grid_thw`, checking that rows and grids agree.
+    """Split ``feature`` into items by ``grid_thw``, checking that rows and grids agree.
 
     Raises `ValueError` naming the item whose rows and grid disagree, and `TypeError`
     for a float grid, a non-tensor item or a packed tensor without grids.
@@ -209,7 +209,7 @@ def hashes_from_features(
 ) -> list[MMHash]:
     """One digest per item of a request, in order.
 
-    `feature` is a packed ``[sum(t*h*w), ...]`` tensor split by `grid_thw`, or a list
+    ``feature`` is a packed ``[sum(t*h*w), ...]`` tensor split by ``grid_thw``, or a list
     of tensors (one per item, e.g. audio), with or without grids. With BLAKE3 and XXH3
     each digest covers the item's dtype, grid, row shape and bytes; with SGLANG it is
     SGLang's CPU hash of the item's bytes. A rows/grid mismatch is a `ValueError`
@@ -225,7 +225,8 @@ def embedding_keys(
     modality: Modality = Modality.IMAGE,
     scheme: HashScheme = HashScheme.BLAKE3,
 ) -> list[EmbeddingKey]:
-    """The cache key of each digest under `namespace`; `scheme` must be the one that made them."""
+    """The cache key of each digest under ``namespace``; ``scheme`` must be the one that made
+    them."""
     return EmbeddingKey.for_digests(namespace, modality, scheme, digests)
 
 

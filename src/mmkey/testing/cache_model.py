@@ -78,11 +78,11 @@ def make_cache_state_machine(
     max_bytes: int | None = None,
     max_numel: int = 600,
 ) -> type[RuleBasedStateMachine]:
-    """A state machine class checking caches made by `factory` against a dict model.
+    """A state machine class checking caches made by ``factory`` against a dict model.
 
-    `evicts`: the cache may drop entries (then reads may miss; without it, every key
+    ``evicts``: the cache may drop entries (then reads may miss; without it, every key
     written successfully must read back). `max_bytes`: ``stats().bytes_held`` must stay
-    within it. `max_numel`: the largest tensor written, in elements. Run it with
+    within it. ``max_numel``: the largest tensor written, in elements. Run it with
     ``TestX = make_cache_state_machine(...).TestCase``.
     """
     indexes = st.lists(st.integers(0, 5), min_size=0, max_size=5)

@@ -1,6 +1,6 @@
 """A local Mooncake fleet for tests: one master plus N segment-holder processes, with faults.
 
-``running_fleet(holders=2)`` starts a `mooncake_master` and N holders (Mooncake's standalone
+``running_fleet(holders=2)`` starts a ``mooncake_master`` and N holders (Mooncake's standalone
 ``mooncake_client``, see `mmkey.holder`) on free ports, waits until the master lists every
 holder's segment, and stops everything by PID on exit, also on failure. Each `HolderProcess`
 can be paused (SIGSTOP, a host in a GC pause or swap storm), resumed, killed (SIGKILL) and

@@ -64,7 +64,7 @@ def modalities() -> st.SearchStrategy[Modality]:
 
 
 def digests(scheme: HashScheme | None = None) -> st.SearchStrategy[MMHash]:
-    """Valid digests for `scheme` (128-bit when None), edges included."""
+    """Valid digests for ``scheme`` (128-bit when None), edges included."""
     bits = 128 if scheme is None else scheme.bits
     top = (1 << bits) - 1
     return st.one_of(

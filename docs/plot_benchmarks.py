@@ -1,0 +1,183 @@
+"""Plot the speed tables that the benchmarks print, for the documentation.
+
+Each ``*.txt`` file in the input folder is the standard output of one run of a benchmark
+(``python benchmarks/bench_cache.py > docs/benchmarks/bench_cache.txt``). The tables in it
+are found as the benchmarks print them: a header line, then rows of a label followed by
+numbers (fixed-width columns, ``|`` separators allowed), or Markdown tables. Every table
+becomes one PNG in the output folder, ``<file stem>-<n>.png``: a horizontal bar chart of its
+value columns per row (the ratio columns, numbers ending in ``x``, are printed as labels
+instead). Run it by hand with ``python docs/plot_benchmarks.py IN_DIR OUT_DIR``; the docs
+build runs it on every build.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?x?")
+_TRAILING_NUMBERS = re.compile(r"^(?P<label>.*?\S)?(?P<numbers>(?:\s+-?\d+(?:\.\d+)?x?)+)\s*$")
+
+
+@attrs.frozen
+class Table:
+    """One printed table: its title, its column names and its rows of numbers."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def value_columns(self) -> list[int]:
+        """Indices of the columns holding measurements (not ratios ending in ``x``)."""
+        width = len(self.columns)
+        return [i for i in range(width) if not any(cells[i].endswith("x") for _, cells in self.rows)]
+
+    def ratio_columns(self) -> list[int]:
+        """Indices of the ratio columns (every value ends in ``x``)."""
+        return [i for i in range(len(self.columns)) if i not in self.value_columns()]
+
+
+def _numeric_row(line: str) -> tuple[str, list[tuple[int, int, str]]] | None:
+    """``(label, [(start, end, number)])`` of a fixed-width row, or None if it is not one."""
+    plain = line.replace("|", " ")
+    match = _TRAILING_NUMBERS.match(plain)
+    if match is None or not match.group("label"):
+        return None
+    spans = [(m.start(), m.end(), m.group()) for m in NUMBER.finditer(plain, match.start("numbers"))]
+    return match.group("label").strip(), spans
+
+
+def _column_names(header: str, spans: Sequence[tuple[int, int, str]]) -> tuple[str, ...]:
+    """The header words above each column: names and numbers are right-aligned alike."""
+    names = []
+    for index, (_, end, _) in enumerate(spans):
+        if index:
+            cell = header[spans[index - 1][1] : end]
+        else:
+            cell = re.split(r"\s{2,}", header[:end].rstrip())[-1]
+        names.append(cell.replace("|", " ").strip() or f"column {index + 1}")
+    return tuple(names)
+
+
+def _title(header: str, spans: Sequence[tuple[int, int, str]], first: str) -> str:
+    """The header's text left of its first column name."""
+    cut = header[: spans[0][1]].rstrip()
+    title = cut[: len(cut) - len(first)] if cut.endswith(first) else header
+    return re.sub(r"\s+", " ", title.replace("|", " ")).strip() or "table"
+
+
+def _fixed_width_tables(lines: Sequence[str]) -> list[Table]:
+    tables: list[Table] = []
+    index = 0
+    while index < len(lines):
+        header = lines[index]
+        first = _numeric_row(lines[index + 1]) if index + 1 < len(lines) else None
+        if not header.strip() or _numeric_row(header) is not None or first is None or header.lstrip().startswith("|"):
+            index += 1
+            continue
+        columns = _column_names(header, first[1])
+        title = _title(header, first[1], columns[0])
+        rows: list[tuple[str, tuple[str, ...]]] = []
+        index += 1
+        while index < len(lines):
+            row = _numeric_row(lines[index])
+            if row is None:
+                break
+            if len(row[1]) != len(columns):
+                # fewer columns further down (totals, rates): a table of its own
+                tables.append(Table(title, columns, tuple(rows)))
+                columns, rows = columns[: len(row[1])], []
+                title = f"{title} (continued)"
+            rows.append((row[0], tuple(number for _, _, number in row[1])))
+            index += 1
+        tables.append(Table(title, columns, tuple(rows)))
+    return tables
+
+
+def _markdown_tables(lines: Sequence[str]) -> list[Table]:
+    tables: list[Table] = []
+    index = 0
+    while index + 1 < len(lines):
+        header, rule = lines[index].strip(), lines[index + 1].strip()
+        if not (header.startswith("|") and set(rule) <= set("|-: ") and "-" in rule):
+            index += 1
+            continue
+        names = [cell.strip() for cell in header.strip("|").split("|")]
+        rows: list[tuple[str, list[str | None]]] = []
+        index += 2
+        while index < len(lines) and lines[index].strip().startswith("|"):
+            cells = [cell.strip() for cell in lines[index].strip().strip("|").split("|")]
+            numbers: list[str | None] = []
+            for cell in cells[1:]:
+                found = NUMBER.match(cell.replace("*", ""))
+                numbers.append(found.group() if found else None)
+            rows.append((cells[0], numbers))
+            index += 1
+        keep = [i for i in range(len(names) - 1) if rows and all(r[1][i] is not None for r in rows if i < len(r[1]))]
+        columns = tuple(names[i + 1] for i in keep)
+        tables.append(Table(names[0], columns, tuple((label, tuple(str(r[i]) for i in keep)) for label, r in rows)))
+    return tables
+
+
+def parse_tables(text: str) -> list[Table]:
+    """Every table in a benchmark's printed output, in order."""
+    lines = text.splitlines()
+    return [t for t in _fixed_width_tables(lines) + _markdown_tables(lines) if t.rows]
+
+
+def plot_table(table: Table, path: Path) -> None:
+    """Draw ``table`` as grouped horizontal bars into the PNG ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = table.value_columns() or table.ratio_columns()
+    ratios = [i for i in table.ratio_columns() if i not in values]
+    labels = [label for label, _ in table.rows]
+    height = 0.8 / max(1, len(values))
+    figure, axes = plt.subplots(figsize=(8, 0.5 + 0.45 * len(labels) * max(1, len(values)) ** 0.5))
+    everything: list[float] = []
+    for slot, column in enumerate(values):
+        numbers = [float(cells[column].rstrip("x")) for _, cells in table.rows]
+        everything += numbers
+        positions = [row + slot * height for row in range(len(labels))]
+        axes.barh(positions, numbers, height=height, label=table.columns[column])
+    positive = [n for n in everything if n > 0]
+    if positive and max(positive) / min(positive) > 50:
+        axes.set_xscale("log")  # rows of very different sizes: each stays readable
+    for row, (_, cells) in enumerate(table.rows):
+        note = "  ".join(f"{table.columns[i]} {cells[i]}" for i in ratios)
+        if note:
+            end = max(float(cells[i].rstrip("x")) for i in values)
+            axes.annotate(note, (end, row + (len(values) - 1) * height / 2), xytext=(4, 0),
+                          textcoords="offset points", fontsize=7, va="center")
+    axes.margins(x=0.15)
+    axes.set_yticks([row + (len(values) - 1) * height / 2 for row in range(len(labels))], labels, fontsize=8)
+    axes.invert_yaxis()
+    axes.set_title(table.title, fontsize=9)
+    if len(values) > 1:
+        axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Plot every table of every ``*.txt`` in ``argv[0]`` into ``argv[1]``; print what it drew."""
+    source, target = Path(argv[0]), Path(argv[1])
+    target.mkdir(parents=True, exist_ok=True)
+    for output in sorted(source.glob("*.txt")):
+        for number, table in enumerate(parse_tables(output.read_text()), start=1):
+            path = target / f"{output.stem}-{number}.png"
+            plot_table(table, path)
+            print(f"{path.name}: {table.title} ({len(table.rows)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
