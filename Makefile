@@ -68,7 +68,8 @@ pytest: $(VENV)/.dev
 
 # the tests that need no Mooncake master, no holder and no stack environment
 pytest-quick: $(VENV)/.dev
-	$(BIN)/python -m pytest -q -n 2 -m "not mooncake and not slow and not serial"
+	HYPOTHESIS_PROFILE=quick $(BIN)/python -m pytest -q -n 2 -p no:cacheprovider \
+	    -m "not mooncake and not slow and not serial"
 
 check: $(VENV)/.dev
 	$(MAKE) --no-print-directory -j3 -O typecheck pytest-quick

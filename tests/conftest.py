@@ -16,6 +16,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", deadline=None, max_examples=200)
+# `make check`, the edit-test loop: the ci profile with fewer examples
+settings.register_profile("quick", settings.get_profile("ci"), max_examples=10)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
@@ -50,10 +52,29 @@ _STORE_FIXTURES = frozenset(
 )
 
 
+# Modules whose tests each start Python processes (the command line, the demo, the type
+# checkers, servers, fresh interpreters): `slow`, so left out of `make check` too.
+_PROCESS_MODULES = frozenset(
+    {
+        "test_cli.py",
+        "test_cli_holder.py",
+        "test_demo.py",
+        "test_example_server.py",
+        "test_process_independence.py",
+        "test_quickstart.py",
+        "test_typing_harness.py",
+        "test_without_torch.py",
+        "test_import_cost.py",
+    }
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _STORE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.mooncake)
+        if item.path.name in _PROCESS_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 # Mooncake's client threads keep reconnecting to the masters the tests stopped, and the

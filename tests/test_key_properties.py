@@ -11,7 +11,8 @@ from mmkey import EmbeddingKey, HashScheme, InvalidKey, Modality, mm_hash
 from mmkey.testing.strategies import embedding_keys, key_texts
 
 ALPHABET = re.compile(r"[A-Za-z0-9._~%@-]+")
-MANY = settings(max_examples=3000)
+# 3000 examples under the `ci` profile; `make check` (the `quick` profile) runs 30 times its own
+MANY = settings(max_examples=30 * settings().max_examples)
 
 
 def near_keys() -> st.SearchStrategy[str]:
