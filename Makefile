@@ -101,11 +101,17 @@ test-vllm: $(VLLM_VENV)/.ready
 test: $(VENV)/.dev
 	$(MAKE) --no-print-directory -j3 -O pytest static-checks stack-tests
 
+# each lane runs its steps one after another (a line each), sharing make's job slots
 static-checks: $(VENV)/.dev
-	$(MAKE) --no-print-directory -j1 typecheck verifytypes stubtest docs test-matrix
+	$(MAKE) --no-print-directory typecheck
+	$(MAKE) --no-print-directory verifytypes
+	$(MAKE) --no-print-directory stubtest
+	$(MAKE) --no-print-directory docs
+	$(MAKE) --no-print-directory test-matrix
 
 stack-tests: $(VENV)/.dev
-	$(MAKE) --no-print-directory -j1 test-vllm test-sglang
+	$(MAKE) --no-print-directory test-vllm
+	$(MAKE) --no-print-directory test-sglang
 
 # SGLang's pins conflict with ours: its tests run in an environment of their own, every
 # package named and pinned in scripts/sglang-requirements*.txt and installed --no-deps

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?x?")
-_TRAILING_NUMBERS = re.compile(r"^(?P<label>.*?\S)?(?P<numbers>(?:\s+-?\d+(?:\.\d+)?x?)+)\s*$")
+_TRAILING_NUMBERS = re.compile(
+    r"^(?P<label>.*?\S)?(?P<numbers>(?:\s+-?\d+(?:\.\d+)?x?)+)(?:\s+[A-Za-z]+)?\s*$"
+)
+_RATIO_NAME = re.compile(r"ratio|cost|speed-?up|^x ")
 
 
 @attrs.frozen
@@ -32,9 +36,13 @@ class Table:
     rows: tuple[tuple[str, tuple[str, ...]], ...]
 
     def value_columns(self) -> list[int]:
-        """Indices of the columns holding measurements (not ratios ending in ``x``)."""
-        width = len(self.columns)
-        return [i for i in range(width) if not any(cells[i].endswith("x") for _, cells in self.rows)]
+        """Indices of the columns holding measurements (not ratios: a name such as ``ratio``
+        or ``x SGLang``, or numbers ending in ``x``)."""
+        return [
+            i
+            for i, name in enumerate(self.columns)
+            if not _RATIO_NAME.search(name) and not any(cells[i].endswith("x") for _, cells in self.rows)
+        ]
 
     def ratio_columns(self) -> list[int]:
         """Indices of the ratio columns (every value ends in ``x``)."""
@@ -47,8 +55,9 @@ def _numeric_row(line: str) -> tuple[str, list[tuple[int, int, str]]] | None:
     match = _TRAILING_NUMBERS.match(plain)
     if match is None or not match.group("label"):
         return None
-    spans = [(m.start(), m.end(), m.group()) for m in NUMBER.finditer(plain, match.start("numbers"))]
-    return match.group("label").strip(), spans
+    numbers = plain[: match.end("numbers")]
+    spans = [(m.start(), m.end(), m.group()) for m in NUMBER.finditer(numbers, match.start("numbers"))]
+    return re.sub(r"\s+", " ", match.group("label").strip()), spans
 
 
 def _column_names(header: str, spans: Sequence[tuple[int, int, str]]) -> tuple[str, ...]:
@@ -58,7 +67,7 @@ def _column_names(header: str, spans: Sequence[tuple[int, int, str]]) -> tuple[s
         if index:
             cell = header[spans[index - 1][1] : end]
         else:
-            cell = re.split(r"\s{2,}", header[:end].rstrip())[-1]
+            cell = re.split(r"\s{2,}", header[:end].replace("|", " ").rstrip())[-1]
         names.append(cell.replace("|", " ").strip() or f"column {index + 1}")
     return tuple(names)
 
@@ -80,7 +89,8 @@ def _fixed_width_tables(lines: Sequence[str]) -> list[Table]:
             index += 1
             continue
         columns = _column_names(header, first[1])
-        title = _title(header, first[1], columns[0])
+        caption = lines[index - 1].strip() if index else ""
+        title = caption if caption and _numeric_row(caption) is None else _title(header, first[1], columns[0])
         rows: list[tuple[str, tuple[str, ...]]] = []
         index += 1
         while index < len(lines):
@@ -126,7 +136,7 @@ def _markdown_tables(lines: Sequence[str]) -> list[Table]:
 def parse_tables(text: str) -> list[Table]:
     """Every table in a benchmark's printed output, in order."""
     lines = text.splitlines()
-    return [t for t in _fixed_width_tables(lines) + _markdown_tables(lines) if t.rows]
+    return [t for t in _fixed_width_tables(lines) + _markdown_tables(lines) if len(t.rows) >= 2]
 
 
 def plot_table(table: Table, path: Path) -> None:
@@ -159,7 +169,7 @@ def plot_table(table: Table, path: Path) -> None:
     axes.margins(x=0.15)
     axes.set_yticks([row + (len(values) - 1) * height / 2 for row in range(len(labels))], labels, fontsize=8)
     axes.invert_yaxis()
-    axes.set_title(table.title, fontsize=9)
+    axes.set_title(textwrap.fill(table.title, 100), fontsize=8)
     if len(values) > 1:
         axes.legend(fontsize=7)
     figure.tight_layout()
