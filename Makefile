@@ -18,7 +18,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test check docs static-checks stack-tests pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
+.PHONY: demo test check docs static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -94,12 +94,12 @@ $(VLLM_VENV)/.ready: pyproject.toml $(VLLM_VENV)/.packages
 test-vllm: $(VLLM_VENV)/.ready
 	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest tests/test_vllm_connector.py tests/test_vllm_stubs.py
 
-# Every check. The dev environment first (it installs the system packages once); then three
+# Every check. The dev environment first (it installs the system packages once); then four
 # lanes at once, each printing its output when it ends: the pytest suite (mostly waiting on
-# processes and deadlines), the static checks (CPU), and the two stack environments (pip,
-# then their tests).
+# processes and deadlines), the static checks (CPU), and each stack's environment (pip, then
+# its tests).
 test: $(VENV)/.dev
-	$(MAKE) --no-print-directory -j3 -O pytest static-checks stack-tests
+	$(MAKE) --no-print-directory -j4 -O pytest static-checks test-vllm test-sglang
 
 # each lane runs its steps one after another (a line each), sharing make's job slots
 static-checks: $(VENV)/.dev
@@ -108,10 +108,6 @@ static-checks: $(VENV)/.dev
 	$(MAKE) --no-print-directory stubtest
 	$(MAKE) --no-print-directory docs
 	$(MAKE) --no-print-directory test-matrix
-
-stack-tests: $(VENV)/.dev
-	$(MAKE) --no-print-directory test-vllm
-	$(MAKE) --no-print-directory test-sglang
 
 # SGLang's pins conflict with ours: its tests run in an environment of their own, every
 # package named and pinned in scripts/sglang-requirements*.txt and installed --no-deps
