@@ -443,7 +443,7 @@ def auth_mode(environ: Mapping[str, str] | None = None) -> AuthMode | None:
 def keyring_for_cache(
     keyring: EntryKeyring | FromEnv | None, cache: str, *, shared: bool = False
 ) -> EntryKeyring | None:
-    """The keyring a cache named ``cache`` uses: `keyring` itself, or the environment's.
+    """The keyring a cache named ``cache`` uses: ``keyring`` itself, or the environment's.
 
     For a cache over a ``shared`` store, ``MMKEY_ENTRY_AUTH=required`` or ``migrate``
     without a secret raises `ValueError` (``keyring=None`` included: the variable is the

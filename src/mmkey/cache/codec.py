@@ -387,7 +387,7 @@ def encode_entry(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None
     """The entry of ``tensor`` stored under key text `key` (see the module doc for the layout).
 
     Any strided tensor of a `DTYPE_CODES` dtype on any device; it is copied, never kept.
-    With a `keyring`, the entry carries a MAC made with its current secret.
+    With a ``keyring``, the entry carries a MAC made with its current secret.
     """
     rt = _rt()
     raw_key = _key_bytes(key)
@@ -405,7 +405,7 @@ def encode_entry_into(
 ) -> int:
     """Write the entry of ``tensor`` at the start of the writable buffer ``buf``; bytes written.
 
-    For registered (pinned) memory: size the region with `entry_size` (same `keyring`).
+    For registered (pinned) memory: size the region with `entry_size` (same ``keyring``).
     The checksum and MAC are made over ``tensor``'s own bytes as they are copied, never over
     what ``buf`` holds afterwards: bytes written into ``buf`` by anyone else meanwhile make the
     entry fail to verify. Raises `ValueError` when ``buf`` is read-only or too small; the
@@ -437,7 +437,7 @@ def entry_header(
     dimension, each a contiguous CPU tensor, none copied.
 
     The header followed by the tensors' bytes, in order, is the entry `encode_entry` makes
-    of their concatenation, checksum and (with a `keyring`) MAC included: a store can write
+    of their concatenation, checksum and (with a ``keyring``) MAC included: a store can write
     the header and the tensors' memory as one object without joining them first. The
     tensors must not change until that write is done, or the entry fails to verify.
     """
@@ -542,7 +542,7 @@ def _parse_as(
     view: memoryview, key: str, raw_key: bytes, rt: _Runtime, keyring: EntryKeyring | None
 ) -> _Parsed:
     """`_parse` of a private copy of the header, and `CorruptEntry` unless the entry was
-    written under `key`; under a `keyring` every refusal is a `ForgedEntry`."""
+    written under `key`; under a ``keyring`` every refusal is a `ForgedEntry`."""
     try:
         parsed = _parse(_private_header(view), view.nbytes, rt)
         if parsed.stored_key != raw_key:
@@ -583,7 +583,7 @@ def decode_entry(
     """The tensor stored in entry ``data``, verified against key text `key`.
 
     Raises `CorruptEntry` (saying what failed) unless magic, version, dtype, shape, sizes,
-    the key and the checksum all verify. With a `keyring`, the entry must instead carry a
+    the key and the checksum all verify. With a ``keyring``, the entry must instead carry a
     MAC that verifies under one of its secrets (compared in constant time) that has not
     expired, else `ForgedEntry` (with its ``reason``); an entry without a MAC is served only
     in the keyring's migration window. Every refusal under a keyring is a `ForgedEntry`.
@@ -621,7 +621,7 @@ def verify_entry(
     key: str, data: Buffer, *, keyring: EntryKeyring | None = None
 ) -> tuple[torch.Tensor, bool]:
     """`decode_entry` (copying), and whether the entry was served without a MAC under
-    `keyring` (its migration window); for caches that count those."""
+    ``keyring`` (its migration window); for caches that count those."""
     rt = _runtime or _rt()
     raw_key = _key_bytes(key)
     view = _byte_view(data)
@@ -667,7 +667,7 @@ def _verifier(
     parsed: _Parsed, key: str, keyring: EntryKeyring | None
 ) -> tuple[Any, bytes, EntrySecret | None]:
     """The hasher to feed the payload to, the tag it must produce and the secret (None
-    for the checksum); raises `ForgedEntry` when `keyring` refuses the entry outright."""
+    for the checksum); raises `ForgedEntry` when ``keyring`` refuses the entry outright."""
     rt = _runtime or _rt()
     header = parsed.header
     checksum = _checksum_hasher(header, parsed.authenticated, rt), header[_DIGEST_AT:_FIXED_SIZE]
@@ -733,7 +733,7 @@ def verify_entry_into(
     keyring: EntryKeyring | None = None,
 ) -> bool:
     """`decode_entry_into`, returning whether the entry was served without a MAC under
-    `keyring` (its migration window)."""
+    ``keyring`` (its migration window)."""
     rt = _runtime or _rt()
     raw_key = _key_bytes(key)
     targets = _runs(out, rt, "decode_entry_into", "targets")
@@ -832,7 +832,7 @@ def _verify(
     keyring: EntryKeyring | None,
 ) -> None:
     """Raise unless `digest` is the checksum (or, with `secret`, the MAC) the entry carries;
-    under a `keyring` the refusal is a `ForgedEntry`."""
+    under a ``keyring`` the refusal is a `ForgedEntry`."""
     if secret is None:
         if digest == expected:
             return
