@@ -63,7 +63,7 @@ PYTEST_WORKERS ?= 4
 PYTEST := MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR $(BIN)/python -m pytest
 
 pytest: $(VENV)/.dev
-	$(PYTEST) -n $(PYTEST_WORKERS) -m "not serial"
+	$(PYTEST) -n $(PYTEST_WORKERS) --dist worksteal -m "not serial"
 	$(PYTEST) -m serial; status=$$?; [ $$status -eq 0 ] || [ $$status -eq 5 ]
 
 # the tests that need no Mooncake master, no holder and no stack environment
