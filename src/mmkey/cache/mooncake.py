@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from mmkey._tensors import host_ready
 from mmkey.cache._guard import insert_args, key_texts
-from mmkey.cache._mooncake_staging import Staging, aligned
+from mmkey.cache._mooncake_staging import Staging, aligned, stage_entry
 from mmkey.cache._mooncake_transport import Lane, Pending, StoreTransport, TransferFailed
 from mmkey.cache._runner import CallTimeout
 from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
@@ -753,19 +753,23 @@ class MooncakeCache:
                     raise StoreError("insert_batch stopped waiting; its tensors are not read")
                 encode_entry_into(target, text, tensor, keyring=keyring)
 
+        def stage(staging: Staging, at: int, size: int, text: str, tensor: torch.Tensor) -> None:
+            with reading:
+                if released.is_set():
+                    raise StoreError("insert_batch stopped waiting; its tensors are not read")
+                stage_entry(staging, at, size, text, tensor, keyring)
+
         def write(store: MooncakeDistributedStore, lane_staging: Staging) -> dict[str, bool]:
             ready.wait()  # the caller's kernels writing the tensors have finished
-            staging = lane_staging.view(store)
+            lane_staging.view(store)  # prepared at set-up; this only checks
             if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
                 raise TimeoutError("the staging buffer stayed busy past the call's deadline")
             try:
-                return fill_and_flush(store, staging, lane_staging.ptr)
+                return fill_and_flush(store, lane_staging)
             finally:
                 lane_staging.lease.release()
 
-        def fill_and_flush(
-            store: MooncakeDistributedStore, staging: memoryview, base: int
-        ) -> dict[str, bool]:
+        def fill_and_flush(store: MooncakeDistributedStore, staging: Staging) -> dict[str, bool]:
             stored: dict[str, bool] = {}
             batch: list[tuple[str, int, int]] = []  # key text, offset, size
             used = 0
@@ -776,12 +780,12 @@ class MooncakeCache:
                     continue
                 if used + size > staging.nbytes:
                     _out_of_time(give_up)
-                    stored.update(self._flush_on_worker(store, base, batch))
+                    stored.update(self._flush_on_worker(store, staging.ptr, batch))
                     batch, used = [], 0
-                encode(staging[used : used + size], text, t)
+                stage(staging, used, size, text, t)
                 batch.append((text, used, size))
                 used += aligned(size)
-            stored.update(self._flush_on_worker(store, base, batch))
+            stored.update(self._flush_on_worker(store, staging.ptr, batch))
             return stored
 
         try:
