@@ -24,7 +24,6 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import attrs
@@ -33,7 +32,7 @@ from mmkey._net import parse_host_port
 from mmkey.cache._master_ping import master_answers
 from mmkey.cache._mooncake_staging import ReadSlots, Staging
 from mmkey.cache._quarantine import Quarantine
-from mmkey.cache._runner import Breaker, CallTimeout, DeadlineRunner
+from mmkey.cache._runner import Breaker, Call, CallTimeout, DeadlineRunner
 from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.errors import StoreClosed, StoreError
 
@@ -125,7 +124,7 @@ class Pending(Generic[T]):
     """A transfer submitted to a lane; wait for it with `StoreTransport.finish`."""
 
     lane: Lane
-    future: Future[T]
+    future: Call[T]
 
 
 class StoreTransport:
@@ -321,7 +320,7 @@ class StoreTransport:
         """Run `fn` (does `endpoint` answer again?) on the probe lane, without waiting."""
         future = self._prober.submit(functools.partial(self._run, fn))
 
-        def done(f: Future[bool]) -> None:
+        def done(f: Call[bool]) -> None:
             healthy = not f.cancelled() and f.exception() is None and f.result()
             self.quarantine.probed(endpoint, healthy=bool(healthy))
 
