@@ -310,10 +310,11 @@ class MooncakeCache:
 
         A key given twice in one batch stores its last embedding.
         """
+        give_up = self._give_up()  # the deadline counts from the call, checks included
         self._check_open()
         texts, tensors = insert_args(keys, embeddings)
         latest = dict(zip(texts, tensors))
-        stored = self._write(list(latest), list(latest.values()), self._give_up()) if latest else {}
+        stored = self._write(list(latest), list(latest.values()), give_up) if latest else {}
         self._counts.add(inserts=sum(stored.values()))
         return [stored.get(text, False) for text in texts]
 
