@@ -32,6 +32,7 @@ from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.cache.health import CacheHealth
 from mmkey.cache.codec import (
     decode_entry,
+    encode_entry,
     decode_entry_into,
     encode_entry_into,
     entry_header,
@@ -242,7 +243,16 @@ class MooncakeCache:
         )
         self._replicas: ReplicateConfig | None = None  # made on first write
         self._grouped_until = 0.0  # reads look holders up until then (after a failure)
-        self._transport.connect(time.monotonic() + config.setup_deadline)
+        give_up = time.monotonic() + config.setup_deadline
+        self._warm_codec()
+        self._transport.connect(give_up)
+
+    def _warm_codec(self) -> None:
+        """Load what the first entry written needs (the codec's runtime, the MAC's hash) now,
+        at construction, rather than on the first call: on a busy host an import waits on disk."""
+        import torch
+
+        encode_entry("mmk1@warm-up@image@blake3@" + "0" * 32, torch.zeros(1), keyring=self._keyring)
 
     @property
     def config(self) -> MooncakeConfig:
