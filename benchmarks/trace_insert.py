@@ -109,6 +109,7 @@ def phases() -> Iterator[dict[str, float]]:
 
 
 def show(label: str, total: float, stored: int, got: dict[str, float]) -> None:
+    got.pop("lane done at", None)  # the lane finished after the caller returned
     parts = [f"{k}={v * 1e3:.1f}" if "faults" not in k else f"{k}={v:.0f}" for k, v in got.items()]
     print(f"  {label:14} {stored:3}/256 in {total * 1e3:7.1f} ms | " + " ".join(parts), flush=True)
 

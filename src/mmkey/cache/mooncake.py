@@ -810,8 +810,12 @@ class MooncakeCache:
             outcome = self._transport.finish(self._transport.submit(lane, write), give_up)
             return {} if isinstance(outcome, BaseException) else outcome
         finally:
-            with reading:  # waits out an entry being encoded right now, if any
-                released.set()
+            # Flag first, then wait out the entry being staged right now, if any: a lane that
+            # re-takes `reading` entry after entry would otherwise keep a late caller waiting
+            # (the lock is not fair), well past its deadline on a busy host.
+            released.set()
+            with reading:
+                pass
 
     def _write_from(
         self, latest: dict[str, list[torch.Tensor]], give_up: float
