@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import resource
 import threading
@@ -61,14 +62,25 @@ def _timed(name: str, fn: Callable[..., Any], *, faults: bool = False) -> Callab
     return wrapper
 
 
+def _gc_timer(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _phases["gc started at"] = time.perf_counter()
+    elif (started := _phases.pop("gc started at", None)) is not None:
+        _add(f"gc gen{info['generation']}", time.perf_counter() - started)
+
+
 def instrument() -> None:
     """Wrap the write path's phases with timers (this process only)."""
+    gc.callbacks.append(_gc_timer)
     for owner, name, phase in (
         (mc, "encode_entry_into", "encode"),
         (mc, "stage_entry", "encode"),
         (mc.MooncakeCache, "_flush_on_worker", "batch_upsert_from"),
         (_mooncake_staging.Staging, "view", "staging alloc+register"),
         (_mooncake_staging.Staging, "prepare", "staging alloc+register"),
+        (_mooncake_transport.StoreTransport, "ready", "ready (breaker, master ping)"),
+        (_mooncake_transport.StoreTransport, "master_answers", "master ping"),
+        (mc, "insert_args", "argument checks"),
     ):
         if hasattr(owner, name):
             setattr(owner, name, _timed(phase, getattr(owner, name), faults=phase == "encode"))
@@ -77,6 +89,7 @@ def instrument() -> None:
 
     def submit(self: Any, lane: Any, fn: Callable[..., Any]) -> Any:
         queued = time.perf_counter()
+        _add("before submit", queued - _phases.get("call start at", queued))
 
         def on_lane(store: Any, staging: Any) -> Any:
             _add("hop to lane", time.perf_counter() - queued)
@@ -92,6 +105,7 @@ def instrument() -> None:
 
     def finish(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original_finish(self, *args, **kwargs)
+        _phases["finished at"] = time.perf_counter()
         done = _phases.pop("lane done at", None)
         if done is not None:
             _add("hop back", time.perf_counter() - done)
@@ -103,13 +117,20 @@ def instrument() -> None:
 @contextmanager
 def phases() -> Iterator[dict[str, float]]:
     _phases.clear()
+    _phases["call start at"] = time.perf_counter()
     out: dict[str, float] = {}
     yield out
+    end = time.perf_counter()
+    finished = _phases.pop("finished at", None)
+    if finished is not None:
+        _add("after the wait", end - finished)
+    _phases.pop("call start at", None)
     out.update(_phases)
 
 
 def show(label: str, total: float, stored: int, got: dict[str, float]) -> None:
-    got.pop("lane done at", None)  # the lane finished after the caller returned
+    for mark in ("lane done at", "finished at", "call start at", "gc started at"):
+        got.pop(mark, None)  # points in time, not phases
     parts = [f"{k}={v * 1e3:.1f}" if "faults" not in k else f"{k}={v:.0f}" for k, v in got.items()]
     print(f"  {label:14} {stored:3}/256 in {total * 1e3:7.1f} ms | " + " ".join(parts), flush=True)
 
@@ -118,6 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quiet", action="store_true", help="no background load")
     parser.add_argument("--deadline", type=float, default=0.5)
+    parser.add_argument("--more", type=int, default=0, help="inserts after the second")
     args = parser.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -140,15 +162,15 @@ def main() -> None:
                 show("construct", time.perf_counter() - start, 0, got)
                 try:
                     print(f"staging {size // MiB} MiB", flush=True)
-                    for attempt in ("first", "second"):
+                    for attempt in ("first", "second", *args.more * ("more",)):
                         keys = EmbeddingKey.for_digests(
-                            f"trace{round_}{attempt}", Modality.IMAGE, HashScheme.BLAKE3,
+                            f"trace{round_}{attempt}{time.perf_counter()}", Modality.IMAGE, HashScheme.BLAKE3,
                             [mm_hash(i) for i in range(256)],
                         )
+                        start = time.perf_counter()
                         with phases() as got:
-                            start = time.perf_counter()
                             stored = sum(cache.insert_batch(keys, tensors))
-                            total = time.perf_counter() - start
+                        total = time.perf_counter() - start
                         show(attempt, total, stored, got)
                     raw_keys = [f"raw{round_}_{i}" for i in range(256)]
                     start = time.perf_counter()
