@@ -73,6 +73,8 @@ def insert_args(
             f"{method}() got {len(texts)} keys and {len(tensors)} embeddings; "
             "pass exactly one embedding per key"
         )
+    if set(map(type, tensors)) <= {torch.Tensor}:  # plain tensors only: one check per batch
+        return texts, tensors  # type: ignore[return-value]  # every item is a torch.Tensor
     checked: list[torch.Tensor] = []
     for i, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
