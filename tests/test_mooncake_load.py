@@ -146,4 +146,5 @@ def test_staged_entry_is_the_encoded_entry(name: str, signed: bool) -> None:
     stage_entry(staging, at, len(want), text, tensor, keyring)
     view = staging.view_prepared()
     assert bytes(view[at : at + len(want)]) == want
-    assert bytes(view[:at]) == b"\xee" * at and bytes(view[at + len(want) :]) == b"\xee" * (4096 - at - len(want))
+    end = at + len(want)
+    assert bytes(view[:at]) == b"\xee" * at and bytes(view[end:]) == b"\xee" * (4096 - end)

@@ -4,10 +4,11 @@ Every binding call runs on a worker thread (a lane) and the caller waits at most
 call's give-up time. Metadata calls (``batch_is_exist``, replica lookups, set-up) run on
 their own lane; transfers run on a small pool of lanes, each with its own registered staging
 buffer, so a transfer stuck on a hung holder never holds up a lookup or a transfer from
-another holder. Every lane's staging buffer is allocated (faulted in) and registered
-at set-up, within ``setup_deadline``, so no call pays for it. The binding serves overlapping calls from several threads (measured; the
-fleet tests run them). The breaker is about the master: it opens when a metadata call fails
-or times out. A transfer that fails or times out quarantines the holder it went to instead.
+another holder. Every lane's staging buffer is allocated (faulted in) and registered at
+set-up, within ``setup_deadline``, so no call pays for it. The binding serves overlapping
+calls from several threads (measured; the fleet tests run them). The breaker is about the
+master: it opens when a metadata call fails or times out. A transfer that fails or times
+out quarantines the holder it went to instead.
 
 Mooncake's ``setup()`` and ``close()`` hold the GIL, so while they run every thread of the
 process stops; neither is called unless the master has just answered a request on its RPC

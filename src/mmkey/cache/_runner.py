@@ -97,7 +97,8 @@ class Call(Generic[T]):
         `CallTimeout` if it did not run by then (or was cancelled)."""
         self.wait(timeout)
         if self._state != _DONE:
-            raise CallTimeout("the call has not run" if self._state != _CANCELLED else "the call was cancelled")
+            why = "was cancelled" if self._state == _CANCELLED else "has not run"
+            raise CallTimeout(f"the call {why}")
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]  # set with the state, under the lock
