@@ -7,7 +7,15 @@ same bytes. Each insert prints its phases (ms): construction, the caller's check
 sizing, the hop to the lane (submit to start), the staging buffer's allocation and
 registration, the lease, encoding (payload copies into staging, with the page faults the
 lane thread took meanwhile), the binding's ``batch_upsert_from``, and the hop back (lane
-done to caller awake), with the entries stored.
+done to caller awake), with the entries stored; also the caller's own phases (argument
+checks, breaker and master ping, time after the wait) and garbage collections.
+
+Measured 2026-12-01 (2 shared cores, 0.5 s deadline). Before: 0/256 stored in 8 of 10
+inserts, each with encode = 475-700 ms (torch ``copy_`` of each 64 KiB payload waiting on its
+OpenMP threads; 480-1800 page faults on a lane's first insert, staging allocated then) and
+``batch_upsert_from`` 20-100 ms. After (staging faulted in at construction, one ``memmove``
+per payload): 110 of 110 inserts stored everything; encode 3-57 ms, no page faults;
+``batch_upsert_from`` 14-180 ms, as the raw binding's ``put_batch`` (13-137 ms) beside it.
 """
 
 from __future__ import annotations
