@@ -32,8 +32,8 @@ from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.cache.health import CacheHealth
 from mmkey.cache.codec import (
     decode_entry,
-    encode_entry,
     decode_entry_into,
+    encode_entry,
     encode_entry_into,
     entry_header,
     entry_size,
