@@ -94,10 +94,10 @@ class Call(Generic[T]):
 
     def result(self, timeout: float | None = None) -> T:
         """The call's result (or its exception, raised), waiting at most `timeout` seconds;
-        `CallTimeout` if it did not run by then (or was cancelled)."""
+        `CallTimeout` if it has not finished by then (or was cancelled)."""
         self.wait(timeout)
         if self._state != _DONE:
-            why = "was cancelled" if self._state == _CANCELLED else "has not run"
+            why = "was cancelled" if self._state == _CANCELLED else "has not finished"
             raise CallTimeout(f"the call {why}")
         if self._error is not None:
             raise self._error
