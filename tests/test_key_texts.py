@@ -6,10 +6,13 @@ import threading
 
 import attrs
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mmkey import EmbeddingKey, HashScheme, Modality, mm_hash
 from mmkey.cache._guard import key_texts
 from mmkey.cache._runner import CallTimeout, DeadlineRunner
+from mmkey.testing.strategies import embedding_keys
 
 
 def keys(n: int) -> list[EmbeddingKey]:
@@ -38,6 +41,12 @@ def test_a_batch_of_embedding_keys_gives_their_texts_in_order() -> None:
     assert key_texts(batch, "m") == [k.to_key() for k in batch]
     assert key_texts(tuple(batch), "m") == [k.to_key() for k in batch]
     assert key_texts([], "m") == []
+
+
+@given(st.lists(embedding_keys(), max_size=20), st.booleans())
+def test_batch_texts_are_each_keys_own_text(batch: list[EmbeddingKey], as_tuple: bool) -> None:
+    keys_in: list[EmbeddingKey] | tuple[EmbeddingKey, ...] = tuple(batch) if as_tuple else batch
+    assert key_texts(keys_in, "m") == [EmbeddingKey.from_key(k.to_key()).to_key() for k in batch]
 
 
 def test_keys_of_other_types_in_a_batch_are_checked_one_by_one() -> None:
