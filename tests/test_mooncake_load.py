@@ -9,6 +9,8 @@ under half the deadline, every entry of the insert must be stored.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import resource
 import time
 from collections.abc import Iterator
@@ -105,13 +107,22 @@ def test_staging_is_registered_at_construction_not_on_first_use(
 
 
 def test_staging_memory_is_faulted_in_when_allocated() -> None:
-    page = resource.getpagesize()
-    buf = faulted_in(64 * page)
-    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    buf[::page].fill_(7)  # one write per page
-    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
-    assert faults < 8, f"{faults} page faults writing memory that was faulted in"
-    assert int(buf[::page].sum()) == 7 * 64
+    page, pages = resource.getpagesize(), 256
+
+    def touch_every_page(buf: torch.Tensor) -> int:
+        """Write one byte per page of `buf`; the page faults this thread took meanwhile."""
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for at in range(buf.data_ptr(), buf.data_ptr() + pages * page, page):
+            ctypes.memset(at, 7, 1)
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+    touch_every_page(faulted_in(pages * page))  # the loop's own first-time costs
+    fresh = faulted_in(pages * page)
+    faults = touch_every_page(fresh)
+    assert faults < pages // 8, f"{faults} page faults writing {pages} pages that were faulted in"
+    assert int(fresh[::page].sum()) == 7 * pages
+    plain = torch.frombuffer(mmap.mmap(-1, pages * page), dtype=torch.uint8)  # not faulted in
+    assert touch_every_page(plain) >= pages // 2, "the control: fresh pages fault on first touch"
 
 
 class AcceptsEverything:
