@@ -147,7 +147,7 @@ TENSORS = {
 @pytest.mark.parametrize("signed", [False, True], ids=["plain", "signed"])
 def test_staged_entry_is_the_encoded_entry(name: str, signed: bool) -> None:
     tensor = TENSORS[name]
-    keyring = EntryKeyring.from_secrets(b"staging test secret, 32 bytes or more") if signed else None
+    keyring = EntryKeyring.from_secrets(bytes.fromhex("5f3a9c0e7d21b48693ce0a1f54b7d2e8c6019a3b7e4d58f21c0b96a7e3d48f15")) if signed else None
     text = keys_for("staged")[0].to_key()
     want = encode_entry(text, tensor, keyring=keyring)
     staging = Staging(4096)
