@@ -173,8 +173,11 @@ def corrupt_one_entry(fleet: Fleet, namespace: str) -> bool:
         key = sorted(keys)[0]
         data = bytearray(store.get(key))
         data[-3] ^= 0x01
-        store.remove(key)
+        stop = time.monotonic() + 30  # a read's lease keeps an entry for a few seconds
+        while store.remove(key) != 0 and time.monotonic() < stop:
+            time.sleep(0.2)
         assert store.put(key, bytes(data)) == 0
+        assert bytes(store.get(key)) == bytes(data)
         EmbeddingKey.from_key(key)  # an mmkey key, written by the connector
         return True
 
