@@ -241,3 +241,31 @@ def test_counter_identifiers_are_refused_at_start(model_dir: Path, fleet: Fleet,
     assert isinstance(result, dict)
     assert "mm_processor_cache_gb" in result.get("start_error", "") + result["log"]
     assert "rounds" not in result
+
+
+def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
+    model_dir: Path, fleet: Fleet, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """An encode-only producer finishes its requests before their saves land; the consumer,
+    started on the producer's ``ec_transfer_params`` at once, still loads every image."""
+    ns = fresh_namespace("e-pd")
+    params = tmp_path / "params.json"
+    consumer = run_engine(
+        tmp_path,
+        "consumer",
+        {"model": str(model_dir), "ec": ec_config(fleet, "ec_consumer", namespace=ns), "prompts": PROMPTS, "await_params": str(params)},
+        background=True,
+    )
+    producer = run_engine(
+        tmp_path,
+        "producer",
+        {"model": str(model_dir), "ec": ec_config(fleet, "ec_producer", namespace=ns), "prompts": PROMPTS, "publish_params": str(params)},
+    )
+    assert isinstance(producer, dict) and isinstance(consumer, subprocess.Popen)
+    assert "start_error" not in producer, producer["start_error"]
+    announced = [p for p in json.loads(params.read_text()) if p]
+    assert announced and all(p["mmkey"]["encoded"] for p in announced)
+    result = finish(consumer, tmp_path, "consumer")
+    assert tokens(result) == reference
+    assert result["tower_images"] == 0
+    assert result["worker_totals"].get("loaded", 0) == DISTINCT_IMAGES

@@ -77,6 +77,14 @@ def main(spec_path: str, out_path: str) -> None:
         stop = time.monotonic() + 120
         while not os.path.exists(pause) and time.monotonic() < stop:
             time.sleep(0.05)
+    transfer_params = spec.get("ec_transfer_params")
+    awaited = spec.get("await_params")
+    if awaited:  # a producer's ec_transfer_params, written by another engine run
+        stop = time.monotonic() + 120
+        while not os.path.exists(awaited) and time.monotonic() < stop:
+            time.sleep(0.002)
+        time.sleep(0.01)
+        transfer_params = json.loads(Path(awaited).read_text())
     rounds = spec.get("rounds", [spec.get("prompts", [])])
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
     results = []
@@ -85,18 +93,23 @@ def main(spec_path: str, out_path: str) -> None:
             {"prompt": p["text"], "multi_modal_data": {"image": [image(s) for s in p["images"]]}}
             for p in prompts
         ]
-        if spec.get("ec_transfer_params"):
+        if transfer_params:
             per = [
                 SamplingParams(
                     max_tokens=params.max_tokens,
                     temperature=0.0,
-                    extra_args={"ec_transfer_params": spec["ec_transfer_params"][i]},
+                    extra_args={"ec_transfer_params": transfer_params[i]},
                 )
                 for i in range(len(prompts))
             ]
             outputs = llm.generate(inputs, per, use_tqdm=False)
         else:
             outputs = llm.generate(inputs, params, use_tqdm=False)
+        published = spec.get("publish_params")
+        if published:  # at once, before the saves are flushed: the consumer races them
+            tmp = Path(published + ".tmp")
+            tmp.write_text(json.dumps([o.ec_transfer_params for o in outputs]))
+            tmp.rename(published)
         results.append(
             [
                 {
