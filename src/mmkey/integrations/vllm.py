@@ -59,6 +59,7 @@ from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
@@ -336,27 +337,25 @@ class MMKeyECConnector(ECConnectorBase):
 
     # -- scheduler side -------------------------------------------------------------------------
 
-    def _key_of(self, feature: Any, modality: Modality) -> EmbeddingKey:
-        """The key of a feature: its content digest (computed once per identifier), else the
-        identifier's."""
-        identifier: str = feature.identifier
+    def _key_of(self, feature: MultiModalFeatureSpec, modality: Modality) -> EmbeddingKey:
+        """The key of a feature: the digest of its processed inputs (computed once per
+        identifier and remembered), else its identifier's."""
+        identifier = feature.identifier
         memo = (identifier, modality)
         key = self._keys.get(memo)
         if key is not None:
             return key
-        if identifier not in self._digests:
-            data = getattr(feature, "data", None)
-            get_data = getattr(data, "get_data", None)
-            if get_data is not None:
-                digest = content_digest(get_data())
-                if digest is not None:
-                    self._digests[identifier] = digest
-                    if len(self._digests) > _MAX_TRACKED:
-                        self._digests.popitem(last=False)
+        if identifier not in self._digests and feature.data is not None:
+            digest = content_digest(feature.data.get_data())
+            if digest is not None:
+                self._digests[identifier] = digest
+                if len(self._digests) > _MAX_TRACKED:
+                    self._digests.popitem(last=False)
         key = self.key(identifier, modality)
-        self._keys[memo] = key
-        if len(self._keys) > _MAX_TRACKED:
-            self._keys.popitem(last=False)
+        if identifier in self._digests:  # identifier keys are not kept: data may come later
+            self._keys[memo] = key
+            if len(self._keys) > _MAX_TRACKED:
+                self._keys.popitem(last=False)
         return key
 
     def _state_of(self, request: Request) -> _RequestState:
@@ -385,10 +384,13 @@ class MMKeyECConnector(ECConnectorBase):
             if identifier in self._shipped:
                 continue  # in vLLM's encoder cache already (or encoded there if it was evicted)
             key = self._key_of(feature, modality)
+            staged = stager.want(identifier, key, request.get_num_encoder_embeds(index))
             if identifier not in state.names:
                 state.names.add(identifier)
                 self._users.setdefault(identifier, set()).add(request.request_id)
-            staged = stager.want(identifier, key, request.get_num_encoder_embeds(index))
+                if staged is Staged.MISSING:  # missing for an earlier request: ask again
+                    stager.retry(identifier)
+                    staged = Staged.PENDING
             if staged is Staged.PENDING:
                 waiting = True
             elif staged is Staged.MISSING and key.to_key() in state.announced:
