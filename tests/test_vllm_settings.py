@@ -14,6 +14,8 @@ from mmkey.integrations._vllm_settings import (
     EXTRA_CONFIG_KEYS,
     ConnectorSettings,
     StoreKind,
+    check_identifiers_are_content_hashes,
+    content_digest,
     identifier_key,
     identifier_keys,
     modality_of,
@@ -152,3 +154,46 @@ def test_mooncake_config_from_env_then_extra_config(tmp_path: Path) -> None:
     assert explicit.mooncake_config(pure_client=False, environ=env).master_server_address == "127.0.0.1:7000"
     with pytest.raises(ValueError, match="MOONCAKE_MASTER.*store"):
         ConnectorSettings().mooncake_config(pure_client=False, environ={})
+
+
+def test_counter_identifiers_and_tower_lora_are_refused_naming_the_settings() -> None:
+    with pytest.raises(ValueError, match="mm_processor_cache_gb > 0.*enable-prefix-caching"):
+        check_identifiers_are_content_hashes(
+            processor_cache_gb=0, prefix_caching=False, tower_lora=False, explicit_namespace=False
+        )
+    with pytest.raises(ValueError, match="enable_tower_connector_lora.*namespace"):
+        check_identifiers_are_content_hashes(
+            processor_cache_gb=4, prefix_caching=True, tower_lora=True, explicit_namespace=False
+        )
+    for cache_gb, prefix in [(4, False), (0, True), (4, True)]:
+        check_identifiers_are_content_hashes(
+            processor_cache_gb=cache_gb, prefix_caching=prefix, tower_lora=False, explicit_namespace=False
+        )
+    check_identifiers_are_content_hashes(
+        processor_cache_gb=4, prefix_caching=True, tower_lora=True, explicit_namespace=True
+    )
+
+
+def test_content_digests_cover_field_names_dtypes_shapes_and_bytes() -> None:
+    import torch
+
+    pixels = torch.arange(48, dtype=torch.float32).reshape(3, 4, 4)
+    base = content_digest({"pixel_values": pixels})
+    assert base is not None
+    assert base == content_digest({"pixel_values": pixels.clone()})
+    assert base == content_digest({"pixel_values": pixels.transpose(1, 2).contiguous().transpose(1, 2)})
+    changed = pixels.clone()
+    changed[0, 0, 0] += 1
+    others = [
+        content_digest({"pixel_values": changed}),
+        content_digest({"pixel_values": pixels.to(torch.float64)}),
+        content_digest({"pixel_values": pixels.reshape(3, 16)}),
+        content_digest({"pixel_value": pixels}),
+        content_digest({"pixel_values": pixels, "image_grid_thw": torch.tensor([1, 2, 2])}),
+        content_digest({"pixel_values": [pixels]}),
+    ]
+    assert len({base, *others}) == len(others) + 1
+    # a field vLLM left out (None) or anything not a tensor: no digest, the identifier is used
+    assert content_digest({"pixel_values": None}) is None
+    assert content_digest({"pixel_values": [pixels, "text"]}) is None
+    assert content_digest({}) is None

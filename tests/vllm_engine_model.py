@@ -9,7 +9,9 @@ checkpoint. Nothing is downloaded.
 from __future__ import annotations
 
 import json
+import importlib
 from pathlib import Path
+from typing import Any
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 32
@@ -26,10 +28,17 @@ _CORPUS = [
 ]
 
 
+def _untyped(module: str) -> Any:
+    """A module of the engine's environment that has no type information here."""
+    return importlib.import_module(module)
+
+
 def _train_tokenizer(out: Path) -> int:
     """A byte-level BPE tokenizer trained on a few lines; returns the image token's id."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    tokenizers = _untyped("tokenizers")
+    Tokenizer, decoders, models = tokenizers.Tokenizer, tokenizers.decoders, tokenizers.models
+    pre_tokenizers, trainers = tokenizers.pre_tokenizers, tokenizers.trainers
+    PreTrainedTokenizerFast = _untyped("transformers").PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -51,23 +60,20 @@ def _train_tokenizer(out: Path) -> int:
     )
     fast.save_pretrained(out)
     image_id = tok.token_to_id(IMAGE_TOKEN)
-    assert image_id is not None and tok.get_vocab_size() <= VOCAB
+    assert isinstance(image_id, int) and tok.get_vocab_size() <= VOCAB
     return image_id
 
 
 def build_tiny_llava(out: Path, *, seed: int = 0) -> Path:
     """Write the model, its tokenizer and its processor into `out`; returns `out`."""
     import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-        PreTrainedTokenizerFast,
-    )
+
+    safetensors = _untyped("safetensors.torch")
+    load_file, save_file = safetensors.load_file, safetensors.save_file
+    tf = _untyped("transformers")
+    CLIPImageProcessor, CLIPVisionConfig, LlamaConfig = tf.CLIPImageProcessor, tf.CLIPVisionConfig, tf.LlamaConfig
+    LlavaConfig, LlavaForConditionalGeneration = tf.LlavaConfig, tf.LlavaForConditionalGeneration
+    LlavaProcessor, PreTrainedTokenizerFast = tf.LlavaProcessor, tf.PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     image_id = _train_tokenizer(out)

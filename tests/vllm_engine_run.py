@@ -20,8 +20,11 @@ from typing import Any
 
 def image(seed: int, size: int = 32) -> Any:
     """A deterministic RGB image."""
+    import importlib
+
     import numpy as np
-    from PIL import Image
+
+    Image: Any = importlib.import_module("PIL.Image")
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
@@ -34,7 +37,7 @@ def _count_tower_calls(model: Any) -> int:
         tower._mmkey_images = 0
 
         def hook(module: Any, args: Any, output: Any) -> None:
-            pixels = args[0] if args else None
+            pixels: Any = args[0] if args else None
             module._mmkey_images += int(pixels.shape[0]) if hasattr(pixels, "shape") else 1
 
         tower.register_forward_hook(hook)
@@ -49,8 +52,12 @@ def _connector(llm: Any) -> Any:
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    from vllm import LLM, SamplingParams
+    import importlib
+
     from vllm.config import ECTransferConfig
+
+    vllm: Any = importlib.import_module("vllm")
+    LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
 
     kwargs: dict[str, Any] = dict(
         model=spec["model"],
