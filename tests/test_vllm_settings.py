@@ -197,3 +197,68 @@ def test_content_digests_cover_field_names_dtypes_shapes_and_bytes() -> None:
     assert content_digest({"pixel_values": None}) is None
     assert content_digest({"pixel_values": [pixels, "text"]}) is None
     assert content_digest({}) is None
+
+
+def write_checkpoint(root: Path, tensors: dict[str, bytes], *, config: dict[str, object] | None = None,
+                     preprocessor: dict[str, object] | None = None) -> Path:
+    """A minimal local checkpoint: config.json, preprocessor_config.json, one safetensors file."""
+    import struct
+
+    root.mkdir(parents=True, exist_ok=True)
+    header: dict[str, object] = {}
+    offset = 0
+    for name, data in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    head = json.dumps(header).encode()
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"".join(tensors.values()))
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "_name_or_path": str(root), "hidden": 8}
+    (root / "config.json").write_text(json.dumps(config if config is not None else cfg))
+    (root / "preprocessor_config.json").write_text(json.dumps(preprocessor or {"size": 336}))
+    return root
+
+
+def test_a_checkpoint_is_named_by_what_it_is_not_where_it_lies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmkey.integrations._vllm_identity import checkpoint_identity
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    weights = {"vision_tower.patch.weight": b"\x01" * 64, "language_model.embed.weight": b"\x02" * 64}
+    here = checkpoint_identity(write_checkpoint(tmp_path / "a" / "llava", weights))
+    assert here is not None
+    # the same checkpoint at another path (its config even names the other path)
+    assert checkpoint_identity(write_checkpoint(tmp_path / "elsewhere" / "copy", weights)) == here
+    # the language model is not the vision side: fine-tuning it keeps the entries
+    lm_tuned = dict(weights, **{"language_model.embed.weight": b"\x03" * 64})
+    assert checkpoint_identity(write_checkpoint(tmp_path / "lm", lm_tuned)) == here
+    others = [
+        checkpoint_identity(write_checkpoint(tmp_path / "v", dict(weights, **{"vision_tower.patch.weight": b"\x01" * 63 + b"\x00"}))),
+        checkpoint_identity(write_checkpoint(tmp_path / "p", weights, preprocessor={"size": 448})),
+        checkpoint_identity(write_checkpoint(tmp_path / "c", weights, config={"architectures": ["LlavaForConditionalGeneration"], "hidden": 16})),
+    ]
+    assert None not in others and len({here, *others}) == 4
+    assert checkpoint_identity(tmp_path / "no-such-dir") is None  # a hub name: the caller decides
+    assert (tmp_path / "cache" / "mmkey" / "vllm-weights.json").is_file()  # remembered
+
+
+def test_remembered_weight_digests_follow_the_files_size_and_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from mmkey.integrations import _vllm_identity
+    from mmkey.integrations._vllm_identity import weights_digest
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = write_checkpoint(tmp_path / "m", {"visual.w": b"\x05" * 32})
+    path = root / "model.safetensors"
+    first = weights_digest(path)
+    reads: list[Path] = []
+    real = _vllm_identity._hash_file
+
+    def counted(p: Path) -> str:
+        reads.append(p)
+        return real(p)
+
+    monkeypatch.setattr(_vllm_identity, "_hash_file", counted)
+    assert weights_digest(path) == first and reads == []  # remembered: not read again
+    write_checkpoint(root, {"visual.w": b"\x06" * 32})
+    os.utime(path, ns=(1, 1))
+    assert weights_digest(path) != first and reads == [path]  # changed: read again

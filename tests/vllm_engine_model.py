@@ -64,8 +64,18 @@ def _train_tokenizer(out: Path) -> int:
     return image_id
 
 
-def build_tiny_llava(out: Path, *, seed: int = 0) -> Path:
-    """Write the model, its tokenizer and its processor into `out`; returns `out`."""
+def build_tiny_llava(
+    out: Path,
+    *,
+    seed: int = 0,
+    image_size: int = IMAGE_SIZE,
+    patch: int = PATCH,
+    tower_hidden: int = 32,
+    tower_layers: int = 2,
+) -> Path:
+    """Write the model, its tokenizer and its processor into `out`; returns `out`.
+
+    The tower's sizes can be raised (a benchmark wants a tower whose cost matters)."""
     import torch
 
     safetensors = _untyped("safetensors.torch")
@@ -79,12 +89,12 @@ def build_tiny_llava(out: Path, *, seed: int = 0) -> Path:
     image_id = _train_tokenizer(out)
     torch.manual_seed(seed)
     vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=tower_hidden,
+        intermediate_size=2 * tower_hidden,
+        num_hidden_layers=tower_layers,
         num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
+        image_size=image_size,
+        patch_size=patch,
         projection_dim=32,
     )
     text = LlamaConfig(
@@ -117,17 +127,17 @@ def build_tiny_llava(out: Path, *, seed: int = 0) -> Path:
     save_file(renamed, weights, metadata={"format": "pt"})
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(
-            size={"shortest_edge": IMAGE_SIZE},
-            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size},
         ),
         tokenizer=PreTrainedTokenizerFast.from_pretrained(out),
-        patch_size=PATCH,
+        patch_size=patch,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
         chat_template=None,
     )
     processor.save_pretrained(out)
-    meta = {"image_token_id": image_id, "image_tokens": IMAGE_TOKENS}
+    meta = {"image_token_id": image_id, "image_tokens": (image_size // patch) ** 2}
     (out / "mmkey-test-model.json").write_text(json.dumps(meta))
     return out
 

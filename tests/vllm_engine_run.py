@@ -95,11 +95,13 @@ def main(spec_path: str, out_path: str) -> None:
     rounds = spec.get("rounds", [spec.get("prompts", [])])
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
     results = []
+    seconds = []
     for prompts in rounds:
         inputs = [
-            {"prompt": p["text"], "multi_modal_data": {"image": [image(s) for s in p["images"]]}}
+            {"prompt": p["text"], "multi_modal_data": {"image": [image(s, spec.get("image_size", 32)) for s in p["images"]]}}
             for p in prompts
         ]
+        started = time.perf_counter()
         if transfer_params:
             per = [
                 SamplingParams(
@@ -112,6 +114,7 @@ def main(spec_path: str, out_path: str) -> None:
             outputs = llm.generate(inputs, per, use_tqdm=False)
         else:
             outputs = llm.generate(inputs, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - started)
         published = spec.get("publish_params")
         if published:  # at once, before the saves are flushed: the consumer races them
             tmp = Path(published + ".tmp")
@@ -127,6 +130,7 @@ def main(spec_path: str, out_path: str) -> None:
             ]
         )
     out["rounds"] = results
+    out["round_seconds"] = seconds
     out["tower_images"] = llm.apply_model(_count_tower_calls)[0]
     connector = _connector(llm)
     if connector is not None and hasattr(connector, "totals"):

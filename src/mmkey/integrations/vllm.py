@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from mmkey.cache.protocol import EmbeddingCache
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.integrations._background_saver import BackgroundSaver
 from mmkey.integrations._common import Counters, RateLimitedLog
+from mmkey.integrations._vllm_identity import checkpoint_identity
 from mmkey.integrations._vllm_settings import (
     ConnectorSettings,
     StoreKind,
@@ -125,10 +127,13 @@ _MAX_ANNOUNCED = 1024
 
 
 def namespace_from_vllm_config(vllm_config: VllmConfig) -> str:
-    """The namespace of a vLLM setup: model, revision, multimodal config and dtype.
+    """The namespace of a vLLM setup: what the model is, its multimodal config and dtype.
 
-    The multimodal part is vLLM's own hash of the encoder configuration plus the processor
-    kwargs.
+    A local checkpoint is named by its contents (`checkpoint_identity`: config, processor
+    configs, vision weights), so the same checkpoint at two paths shares entries and changed
+    vision weights or preprocessing do not; a hub name by name and revision. Also covered:
+    vLLM's hash of the encoder configuration, the processor kwargs (but ``device``, which
+    says where preprocessing runs, not what it does), quantization and ``hf_overrides``.
 
     Raises `ValueError` when the config has no model (a model-less test): pass
     ``"namespace"`` in ``ec_connector_extra_config`` then.
@@ -142,13 +147,28 @@ def namespace_from_vllm_config(vllm_config: VllmConfig) -> str:
     mm_config = model_config.multimodal_config
     encoder = "no-multimodal-config"
     if mm_config is not None:
-        # vLLM's hash covers the encoder's computation; the processor kwargs (resizing and
-        # the like) change the embedding of a caller's uuid too, which vLLM's hash does not
-        kwargs = json.dumps(mm_config.mm_processor_kwargs or {}, sort_keys=True, default=repr)
-        encoder = f"{mm_config.compute_hash()}|{kwargs}"
-    return vllm_namespace(
-        str(model_config.model), model_config.revision, encoder, str(model_config.dtype)
-    )
+        kwargs = {k: v for k, v in (mm_config.mm_processor_kwargs or {}).items() if k != "device"}
+        encoder = f"{mm_config.compute_hash()}|{json.dumps(kwargs, sort_keys=True, default=repr)}"
+    extras = {
+        "quantization": getattr(model_config, "quantization", None),
+        "hf_overrides": getattr(model_config, "hf_overrides", None),
+    }
+    encoder += "|" + json.dumps(extras, sort_keys=True, default=repr)
+    model, revision = str(model_config.model), model_config.revision
+    identity = checkpoint_identity(model)
+    if identity is not None:
+        model, revision = _architecture(model), f"blake3-{identity[:16]}"
+        encoder += f"|checkpoint={identity}"
+    return vllm_namespace(model, revision, encoder, str(model_config.dtype))
+
+
+def _architecture(directory: str) -> str:
+    """The first architecture ``config.json`` names (the namespace's readable head)."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+        return str(config["architectures"][0])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return "local-checkpoint"
 
 
 # -- what travels between the scheduler side and the workers ---------------------------------
