@@ -290,3 +290,26 @@ def test_the_same_checkpoint_at_another_path_shares_entries(
     assert isinstance(second, dict)
     assert tokens(second) == tokens(first)
     assert second["tower_images"] == 0
+
+
+def test_with_the_engine_core_in_its_own_process_outputs_are_equal_and_hits_load(
+    model_dir: Path, fleet: Fleet, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """vLLM's default: the engine core (scheduler and worker) in a process of its own."""
+    ns = fresh_namespace("mp")
+    first = run_engine(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    assert isinstance(first, dict) and tokens(first) == reference
+    second = run_engine(
+        tmp_path,
+        "second",
+        {
+            "model": str(model_dir),
+            "ec": ec_config(fleet, namespace=ns),
+            "prompts": PROMPTS,
+            "multiprocessing": "1",
+            "env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # the tower-counting hook travels
+        },
+    )
+    assert isinstance(second, dict)
+    assert tokens(second) == reference
+    assert second["tower_images"] == 0

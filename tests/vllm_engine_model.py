@@ -28,6 +28,23 @@ _CORPUS = [
 ]
 
 
+def count_tower_calls(model: Any) -> int:
+    """Install (once) a forward hook that counts the images the vision tower encodes; the count.
+
+    For ``LLM.apply_model``: it runs in the engine's worker processes, so it lives in a module
+    they import by name."""
+    tower = model.vision_tower
+    if not hasattr(tower, "_mmkey_images"):
+        tower._mmkey_images = 0
+
+        def hook(module: Any, args: Any, output: Any) -> None:
+            pixels: Any = args[0] if args else None
+            module._mmkey_images += int(pixels.shape[0]) if hasattr(pixels, "shape") else 1
+
+        tower.register_forward_hook(hook)
+    return int(tower._mmkey_images)
+
+
 def _untyped(module: str) -> Any:
     """A module of the engine's environment that has no type information here."""
     return importlib.import_module(module)

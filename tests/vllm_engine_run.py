@@ -30,20 +30,6 @@ def image(seed: int, size: int = 32) -> Any:
     return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
 
 
-def _count_tower_calls(model: Any) -> int:
-    """Install (once) a forward hook that counts the images the vision tower encodes."""
-    tower = model.vision_tower
-    if not hasattr(tower, "_mmkey_images"):
-        tower._mmkey_images = 0
-
-        def hook(module: Any, args: Any, output: Any) -> None:
-            pixels: Any = args[0] if args else None
-            module._mmkey_images += int(pixels.shape[0]) if hasattr(pixels, "shape") else 1
-
-        tower.register_forward_hook(hook)
-    return int(tower._mmkey_images)
-
-
 def _connector(llm: Any) -> Any:
     from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
 
@@ -51,6 +37,8 @@ def _connector(llm: Any) -> Any:
 
 
 def main(spec_path: str, out_path: str) -> None:
+    from vllm_engine_model import count_tower_calls  # importable by the engine's processes
+
     spec = json.loads(Path(spec_path).read_text())
     import importlib
 
@@ -77,7 +65,7 @@ def main(spec_path: str, out_path: str) -> None:
         out["start_error"] = f"{type(exc).__name__}: {exc}"
         Path(out_path).write_text(json.dumps(out))
         return
-    llm.apply_model(_count_tower_calls)
+    llm.apply_model(count_tower_calls)
     pause = spec.get("pause_file")
     if pause:
         Path(pause + ".ready").write_text("up")
@@ -131,7 +119,7 @@ def main(spec_path: str, out_path: str) -> None:
         )
     out["rounds"] = results
     out["round_seconds"] = seconds
-    out["tower_images"] = llm.apply_model(_count_tower_calls)[0]
+    out["tower_images"] = llm.apply_model(count_tower_calls)[0]
     connector = _connector(llm)
     if connector is not None and hasattr(connector, "totals"):
         if hasattr(connector, "flush_saves"):
