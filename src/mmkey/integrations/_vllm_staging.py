@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Staged", "Stager", "StagerCounts"]
 
+_CALL_BYTES = 64 << 20
+
 
 class Staged(enum.Enum):
     """Where one item stands."""
@@ -90,6 +92,7 @@ class Stager:
         self._bytes = 0
         self._closed = False
         self._asked = self._staged = self._wrong = self._over = self._errors = 0
+        self._entry_bytes = 8 << 20  # a guess until the first entry is read
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -141,6 +144,10 @@ class Stager:
             self._bytes -= entry.nbytes
             entry.tensor = None
 
+    def answered(self) -> int:
+        """How many answers this stager has filed (grows as fetches complete)."""
+        return self._asked
+
     def counts(self) -> StagerCounts:
         """A snapshot of the counters."""
         with self._cond:
@@ -167,8 +174,11 @@ class Stager:
                 names = list(dict.fromkeys(self._queue))
                 self._queue.clear()
                 asked = [(n, self._entries[n]) for n in names if n in self._entries]
-            if asked:
-                self._answer(asked)
+            # calls of about _CALL_BYTES each, so that every call fits the store's deadline and
+            # the first answers are usable before the last are read
+            per_call = max(1, _CALL_BYTES // self._entry_bytes) if self._fetch else len(asked)
+            for start in range(0, len(asked), per_call):
+                self._answer(asked[start : start + per_call])
 
     def _answer(self, asked: list[tuple[str, _Entry]]) -> None:
         keys = [entry.key for _, entry in asked]
@@ -205,6 +215,7 @@ class Stager:
             self._wrong += 1
             return Staged.MISSING
         nbytes = tensor.numel() * tensor.element_size()
+        self._entry_bytes = max(nbytes, 1)
         if self._bytes + nbytes > self._budget:
             self._over += 1
             return Staged.MISSING

@@ -293,6 +293,8 @@ class _RequestState:
     since: float | None = None
     """When the request was first deferred for its fetches (monotonic); ``None`` when not."""
     last_retry: float = 0.0
+    answered: int = -1
+    """The stager's answer count when `since` was last set."""
 
 
 def _tensor_parallel_rank() -> int:
@@ -401,18 +403,16 @@ class MMKeyECConnector(ECConnectorBase):
         identifier and remembered), else its identifier's."""
         identifier = feature.identifier
         memo = (identifier, modality)
-        key = self._keys.get(memo)
-        if key is not None:
-            return key
         if identifier not in self._digests and feature.data is not None:
             digest = content_digest(feature.data.get_data())
             if digest is not None:
                 self._digests[identifier] = digest
+                self._keys.pop(memo, None)  # an identifier key made before the data was seen
                 if len(self._digests) > _MAX_TRACKED:
                     self._digests.popitem(last=False)
-        key = self.key(identifier, modality)
-        if identifier in self._digests:  # identifier keys are not kept: data may come later
-            self._keys[memo] = key
+        key = self._keys.get(memo)
+        if key is None:
+            key = self._keys[memo] = self.key(identifier, modality)
             if len(self._keys) > _MAX_TRACKED:
                 self._keys.popitem(last=False)
         return key
@@ -442,6 +442,9 @@ class MMKeyECConnector(ECConnectorBase):
             identifier = feature.identifier
             if identifier in self._shipped:
                 continue  # in vLLM's encoder cache already (or encoded there if it was evicted)
+            known = stager.state(identifier) if identifier in state.names else None
+            if known is Staged.STAGED or (known is Staged.MISSING and not state.announced):
+                continue  # answered: the common case of a later step, no key work
             key = self._key_of(feature, modality)
             staged = stager.want(identifier, key, request.get_num_encoder_embeds(index))
             if identifier not in state.names:
@@ -462,9 +465,12 @@ class MMKeyECConnector(ECConnectorBase):
             state.since = None
             return True
         now = time.monotonic()
+        answered = stager.answered()
         if state.since is None:
-            state.since = now
             self._counts.add(deferred=1)
+        if state.since is None or answered != state.answered:
+            state.since = now  # the wait is bounded from the last answer, each call is bounded
+            state.answered = answered
         limit = self._settings.producer_wait_s if waiting_for_producer else self._lookup_wait
         if now - state.since < max(limit, self._lookup_wait):
             return False
