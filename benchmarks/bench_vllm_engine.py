@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def run(workdir: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         subprocess.run([sys.executable, str(TESTS / "vllm_engine_run.py"), str(spec_path), str(out_path)],
                        env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900, check=False)
     if not out_path.exists():
-        raise SystemExit(f"engine {name} failed; see {workdir / (name + '.log')}")
+        raise SystemExit(f"engine {name} failed:\n{(workdir / (name + '.log')).read_text()[-3000:]}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     if "start_error" in result:
         raise SystemExit(f"engine {name}: {result['start_error']}")
@@ -70,6 +71,13 @@ def run(workdir: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="mmkey-bench-vllm-engine-"))
+    try:
+        measure(workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def measure(workdir: Path) -> None:
     model = build_tiny_llava(workdir / "model", image_size=IMAGE, patch=14, tower_hidden=256, tower_layers=6)
     rounds = workload()
     with running_fleet(holders=1, segment_size=512 << 20) as fleet:
