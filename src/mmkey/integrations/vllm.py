@@ -296,6 +296,8 @@ class _RequestState:
     last_retry: float = 0.0
     answered: int = -1
     """The stager's answer count when `since` was last set."""
+    waited_out: bool = False
+    """The request waited its longest once; it is not deferred again."""
 
 
 def _tensor_parallel_rank() -> int:
@@ -462,7 +464,7 @@ class MMKeyECConnector(ECConnectorBase):
                 if now - state.last_retry >= _RETRY_EVERY_S:
                     state.last_retry = now
                     stager.retry(identifier)
-        if not waiting:
+        if not waiting or state.waited_out:
             state.since = None
             return True
         now = time.monotonic()
@@ -476,8 +478,7 @@ class MMKeyECConnector(ECConnectorBase):
         if now - state.since < max(limit, self._lookup_wait):
             return False
         self._counts.add(waited_out=1)
-        state.announced = frozenset()  # waited once: the rest is encoded here
-        state.since = None
+        state.waited_out = True  # waited once: the rest is encoded here, never deferred again
         return True
 
     def has_cache_item(self, identifier: str) -> bool:
