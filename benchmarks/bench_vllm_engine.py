@@ -12,8 +12,9 @@ starts a local master and one holder, and runs fresh engine processes (engine co
 Workload, each in one engine: 48 requests over 16 distinct images (each 3 times), one
 ``generate`` (requests/s), then 8 single requests of further stored images, one at a time
 (time to first token: one output token each). vLLM's own ``ECMooncakeConnector`` pushes
-embeddings from one producer engine to a consumer per request (its store mode needs the V2
-model runner, which the CPU build does not run), so it has no row here.
+embeddings from one producer engine to a consumer per request, reserved through its proxy's
+transfer ids, and its store mode needs the V2 model runner, which the CPU build does not run:
+it has no row here.
 """
 
 from __future__ import annotations
