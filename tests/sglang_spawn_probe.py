@@ -12,6 +12,8 @@ GPU encoder. Prints one JSON object: the parent's targets and the children's rep
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import json
 import multiprocessing
 import queue
@@ -43,13 +45,47 @@ def probe(reports: Any, label: str, *rest: object) -> None:
     entry = EmbeddingStoreFactory._registry["mooncake"]
     report: dict[str, object] = {"label": label, "args": len(rest), "mooncake": f"{entry['module_path']}.{entry['class_name']}"}
     if entry["module_path"] == MMKEY_MODULE:
-        store: Any = EmbeddingStoreFactory.create_backend("mooncake")
-        try:
-            report["created"] = qualified(type(store))
-            report["namespace"] = store.namespace
-        finally:
-            store.close()
+        report.update(create())
     reports.put(report)
+
+
+def create() -> dict[str, object]:
+    """What ``create_backend("mooncake")`` does here, as the encoder calls it: the store it
+    created, or the error it refused to start with."""
+    from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
+
+    try:
+        store: Any = EmbeddingStoreFactory.create_backend("mooncake")
+    except Exception as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    try:
+        return {"created": qualified(type(store)), "namespace": store.namespace}
+    finally:
+        store.close()
+
+
+class Bypass(importlib.abc.MetaPathFinder):
+    """A finder placed ahead of mmkey's (as import instrumentation or a PEX would be) that
+    finds SGLang's encoder modules itself."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in (RUNTIME, GRPC):
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, path, target)
+
+    def __repr__(self) -> str:
+        return "Bypass()"
+
+
+def finder_ahead() -> int:
+    """A launcher in which a finder ahead of mmkey's loads the spawning module: its store."""
+    import sglang.srt.plugins as plugins
+
+    plugins.load_plugins()
+    sys.meta_path.insert(0, Bypass())
+    importlib.import_module(RUNTIME)
+    print(json.dumps({"launcher": create()}))
+    return 0
 
 
 def main(labels: list[str]) -> int:
@@ -88,4 +124,4 @@ if __name__ == "__mp_main__":  # a spawned child, before its target is unpickled
     setattr(importlib.import_module(RUNTIME), "launch_dp_worker", probe)
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(finder_ahead() if sys.argv[1:] == ["--finder-ahead"] else main(sys.argv[1:]))

@@ -29,7 +29,8 @@ import sglang.srt.plugins as plugins  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory  # noqa: E402
 
 import mmkey.integrations._sglang_ranks as ranks  # noqa: E402
-from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore  # noqa: E402
+import mmkey.integrations.sglang as integration  # noqa: E402
+from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore, SGLangConfigError  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
 SGLANG_MOONCAKE = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_embedding_store"
@@ -45,9 +46,15 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
         if target.module in sys.modules and hasattr(sys.modules[target.module], target.name):
             monkeypatch.setattr(sys.modules[target.module], target.name, getattr(sys.modules[target.module], target.name))
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    monkeypatch.setattr(integration, "_plugin_errors", None)
+    monkeypatch.setattr(ranks, "_problems", {})
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("MMKEY_SGLANG_HASH", raising=False)
     monkeypatch.setenv("MMKEY_NAMESPACE", "plugin-model")
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:1")  # never reached: construction refuses first
     yield monkeypatch
 
 
@@ -90,17 +97,52 @@ def test_switch_makes_the_mooncake_backend_name_create_mmkeys_store(
         store.close()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("switch", "namespace", "message"), [("yes", "m", BACKEND_ENV), ("1", "", "MMKEY_NAMESPACE")])
-def test_a_bad_switch_or_missing_namespace_is_logged_and_sglang_keeps_its_backend(
-    fresh_loader: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, switch: str, namespace: str, message: str
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (BACKEND_ENV, "false", f"{BACKEND_ENV}='false' is not a value mmkey reads as on"),
+        (BACKEND_ENV, " 0", "set MMKEY_SGLANG_BACKEND=1"),
+        ("MMKEY_NAMESPACE", "", "MMKEY_NAMESPACE is not set"),
+        ("MMKEY_SGLANG_HASH", "sha256", "MMKEY_SGLANG_HASH=blake3"),
+        ("MOONCAKE_MASTER", "", "set MOONCAKE_MASTER=host:port"),
+        ("MOONCAKE_PROTOCOL", "carrier-pigeon", "protocol must be one of"),
+    ],
+)
+def test_once_opted_in_a_configuration_error_makes_the_encoder_refuse_to_start(
+    fresh_loader: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, variable: str, value: str, message: str
 ) -> None:
-    fresh_loader.setenv(BACKEND_ENV, switch)
-    fresh_loader.setenv("MMKEY_NAMESPACE", namespace)
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    fresh_loader.setenv(variable, value)
     with caplog.at_level(logging.ERROR):
         plugins.load_plugins()
-    assert module_of("mooncake") == SGLANG_MOONCAKE
-    assert "Failed to execute general plugin: mmkey" in caplog.text
-    assert message in caplog.text
+    assert "Failed to execute general plugin" not in caplog.text
+    assert message in caplog.text  # said at ERROR when the plugin loads
+    assert module_of("mooncake") == "mmkey.integrations.sglang"  # never SGLang's unverified backend
+    with pytest.raises(SGLangConfigError, match="refuses to start") as refused:
+        EmbeddingStoreFactory.create_backend("mooncake")  # what the encode server calls
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.24", "0.6.0", "unknown"])
+def test_an_sglang_version_outside_the_tested_range_refuses_to_start(
+    fresh_loader: pytest.MonkeyPatch, version: str
+) -> None:
+    import sglang
+
+    fresh_loader.setattr(sglang, "__version__", version)
+    fresh_loader.setenv(BACKEND_ENV, "yes")
+    plugins.load_plugins()
+    assert module_of("mooncake") == "mmkey.integrations.sglang"
+    with pytest.raises(SGLangConfigError, match=f"SGLang {version} is outside .* install sglang==0.5.23"):
+        EmbeddingStoreFactory.create_backend("mooncake")
+
+
+def test_the_tested_version_is_the_installed_one() -> None:
+    import sglang
+
+    from mmkey.integrations._sglang_settings import check_sglang_version
+
+    check_sglang_version(sglang.__version__)  # the environment tests the version the extra allows
 
 
 # -- the encoder processes SGLang spawns (TP ranks above 0, DP workers) -----------------------
@@ -162,23 +204,52 @@ def test_switch_off_leaves_sglangs_spawn_targets_alone(
         assert mmkey_finders() == []
 
 
-def test_a_missing_spawn_target_is_skipped_and_the_rest_still_covered(
+def test_a_missing_spawn_target_is_said_at_error_and_the_encoder_refuses_to_start(
     fresh_loader: pytest.MonkeyPatch,
     encoder_modules: tuple[ModuleType, ModuleType, ModuleType],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     _, runtime, grpc_server = encoder_modules
-    fresh_loader.delattr(runtime, "launch_dp_worker")  # as in an SGLang without DP workers
+    fresh_loader.delattr(runtime, "launch_dp_worker")  # as in an SGLang that renamed it
     fresh_loader.setattr(grpc_server, "launch_encoder", None)
     fresh_loader.setenv(BACKEND_ENV, "1")
-    with caplog.at_level(logging.DEBUG, logger=ranks.__name__):
+    with caplog.at_level(logging.ERROR, logger=ranks.__name__):
         plugins.load_plugins()
-    assert "Failed to execute general plugin" not in caplog.text
     assert f"{ranks.RUNTIME_MODULE} has no function launch_dp_worker" in caplog.text
     assert f"{ranks.GRPC_MODULE} has no function launch_encoder" in caplog.text
-    assert not hasattr(runtime, "launch_dp_worker") and grpc_server.launch_encoder is None
-    assert runtime.launch_encoder is ranks.launch_encoder
+    assert runtime.launch_encoder is ranks.launch_encoder  # the rest is still covered
     assert module_of("mooncake") == "mmkey.integrations.sglang"
+    with pytest.raises(SGLangConfigError, match="has no function launch_dp_worker"):
+        EmbeddingStoreFactory.create_backend("mooncake")
+
+
+def test_an_sglang_that_loads_plugins_in_its_spawn_targets_is_not_patched(
+    fresh_loader: pytest.MonkeyPatch, encoder_modules: tuple[ModuleType, ModuleType, ModuleType]
+) -> None:
+    _, runtime, _ = encoder_modules
+
+    def launch_dp_worker(*args: object) -> None:  # what patches/sglang-0.5.23-load-plugins.patch makes
+        plugins.load_plugins()
+
+    fresh_loader.setattr(runtime, "launch_dp_worker", launch_dp_worker)
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    plugins.load_plugins()
+    assert runtime.launch_dp_worker is launch_dp_worker
+    assert runtime.launch_encoder is ranks.launch_encoder
+    assert integration.plugin_errors() == []
+
+
+def test_a_spawning_module_loaded_past_mmkeys_finder_is_detected(
+    fresh_loader: pytest.MonkeyPatch, encoder_modules: tuple[ModuleType, ModuleType, ModuleType]
+) -> None:
+    _, runtime, _ = encoder_modules
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    plugins.load_plugins()
+    assert integration.plugin_errors() == []
+    # what a finder ahead of mmkey's leaves behind: the module as SGLang wrote it
+    fresh_loader.setattr(runtime, "launch_encoder", ranks.original_of(ranks.SERVER_MODULE, "launch_encoder"))
+    with pytest.raises(SGLangConfigError, match="imported without mmkey's patch of launch_encoder"):
+        EmbeddingStoreFactory.create_backend("mooncake")
 
 
 def run_probe(labels: tuple[str, ...], env: dict[str, str], timeout: float = 400.0) -> dict[str, Any]:
@@ -202,10 +273,11 @@ def run_probe(labels: tuple[str, ...], env: dict[str, str], timeout: float = 400
     return result
 
 
-def probe_env(switch: str, master: MasterProcess) -> dict[str, str]:
+def probe_env(switch: str, master: MasterProcess, **more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", BACKEND_ENV)}
     env.update({BACKEND_ENV: switch, "MMKEY_NAMESPACE": "spawned-model", "PYTHONPATH": os.pathsep.join(sys.path)})
     env.update(MOONCAKE_MASTER=master.address, MOONCAKE_GLOBAL_SEGMENT_SIZE="16MB", MOONCAKE_LOCAL_BUFFER_SIZE="16MB")
+    env.update(MOONCAKE_PROTOCOL="tcp", **more)
     return env
 
 
@@ -228,3 +300,21 @@ def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store(mooncake_master_sess
     assert reports["server.launch_encoder"]["mooncake"] == f"{SGLANG_MOONCAKE}.MooncakeEmbeddingStore"
     assert "created" not in reports["server.launch_encoder"]
     assert result["exitcodes"] == [0, 0, 0, 0]
+
+
+def test_spawned_children_refuse_to_start_on_a_configuration_error(mooncake_master_session: MasterProcess) -> None:
+    result = run_probe(SPAWN_LABELS, probe_env("1", mooncake_master_session, MMKEY_NAMESPACE=""))
+    reports = {r["label"]: r for r in result["reports"]}
+    assert sorted(reports) == sorted(SPAWN_LABELS)
+    for label in SPAWN_LABELS:
+        assert reports[label]["mooncake"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
+        assert "created" not in reports[label]
+        assert "MMKEY_NAMESPACE is not set" in reports[label]["refused"]
+
+
+def test_a_launcher_whose_spawning_module_passed_a_finder_ahead_of_mmkeys_refuses_to_start(
+    mooncake_master_session: MasterProcess,
+) -> None:
+    result = run_probe(("--finder-ahead",), probe_env("1", mooncake_master_session))
+    assert "imported without mmkey's patch of launch_encoder" in result["launcher"]["refused"]
+    assert "Bypass" in result["launcher"]["refused"]  # the finder ahead is named
