@@ -6,6 +6,7 @@ MMKEY_REQUIRE_SGLANG=1.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -136,6 +137,7 @@ def test_factory_creates_it_from_the_environment(
     monkeypatch.setenv("MOONCAKE_MASTER", mooncake_master_session.address)
     monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "16MB")
     monkeypatch.setenv("MOONCAKE_LOCAL_BUFFER_SIZE", "16MB")
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
     monkeypatch.setenv("MMKEY_DEADLINE", "1.5")
     EmbeddingStoreFactory.register_backend("mmkey", "mmkey.integrations.sglang", "MMKeyEmbeddingStore")
     store = EmbeddingStoreFactory.create_backend("mmkey")
@@ -191,10 +193,27 @@ def test_paged_round_trip_through_sglang_controllers(make_store: Callable[..., M
     assert (stats.hits, stats.misses, stats.corrupt) == (2, 1, 0)
 
 
-def test_puts_go_straight_from_the_pool_pages_and_existing_entries_are_replaced(
+def count_upserts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Like `count_multi_buffer_puts`, for the binding's ``batch_upsert_from`` (staged writes)."""
+    import mooncake.store
+
+    calls: list[int] = []
+    real = mooncake.store.MooncakeDistributedStore
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def batch_upsert_from(self, keys: list[str], *args: object, **kwargs: object) -> object:
+            calls.append(len(keys))
+            return super().batch_upsert_from(keys, *args, **kwargs)
+
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", Counting)
+    return calls
+
+
+def test_puts_go_straight_from_the_pool_pages_and_an_entry_held_already_is_kept(
     make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     puts = count_multi_buffer_puts(monkeypatch)
+    upserts = count_upserts(monkeypatch)
     image = SGLangModality.IMAGE
     with two_encoders(make_store) as (writer_store, writer, reader_store, reader):
         pool = writer.vision_pool
@@ -204,21 +223,76 @@ def test_puts_go_straight_from_the_pool_pages_and_existing_entries_are_replaced(
         for h, t in expected.items():
             fill(writer, h, t, image)
         publish(writer, list(expected), image)
-        assert puts == [3]  # header and pool pages in one multi-buffer put: no staging copy
+        assert puts == [3] and upserts == []  # header and pool pages in one multi-buffer put
         got = fetch(reader, list(expected), [t.shape[0] for t in expected.values()], image)
         assert all(g is not None and torch.equal(g, t) for g, t in zip(got, expected.values()))
-        # an entry that exists is replaced through staging (a multi-buffer put keeps it)
+        # another encoder of the fleet encoded the same image meanwhile: its put is kept out
         h = next(iter(expected))
-        with writer.lock:
-            writer._evict_entry(h)
-        newer = embedding(40, 64, 799)
-        fill(writer, h, newer, image)
-        publish(writer, [h], image)
-        assert puts == [3]
         with reader.lock:
             reader._evict_entry(h)
-        got_again = fetch(reader, [h], [40], image)[0]
-        assert got_again is not None and torch.equal(got_again, newer)
+        fill(reader, h, expected[h], image)
+        publish(reader, [h], image)
+        assert puts == [3] and upserts == []  # nothing written: the held entry verified
+        assert reader_store.stats().skipped == 1
+
+
+def test_racing_encoders_write_one_image_once(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    puts = count_multi_buffer_puts(monkeypatch)
+    upserts = count_upserts(monkeypatch)
+    stores = [make_store() for _ in range(3)]
+    pages_of = [pages(store, 30) for store in stores]
+    for pool, _, _ in pages_of:
+        pool[:30] = embedding(30, 64, 123)  # the same image, encoded by each
+    with concurrent.futures.ThreadPoolExecutor(3) as pool_:
+        results = list(
+            pool_.map(lambda i: stores[i].batch_put_from_multi_buffers(["321"], pages_of[i][1], pages_of[i][2]), range(3))
+        )
+    assert results == [[True]] * 3
+    # at most the ones that looked before the first landed write; the rest kept what was there
+    assert sum(puts) + sum(upserts) <= 3
+    later = make_store()
+    pool, ptrs, sizes = pages(later, 30)
+    pool[:30] = embedding(30, 64, 123)
+    before = (sum(puts), sum(upserts))
+    assert later.batch_put_from_multi_buffers(["321"], ptrs, sizes) == [True]
+    assert (sum(puts), sum(upserts)) == before  # the second put of a held entry writes nothing
+
+
+def test_an_entry_held_already_that_does_not_verify_is_replaced(
+    make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess
+) -> None:
+    writer, reader = make_store(), make_store()
+    src, ptrs, sizes = pages(writer, 16)
+    src[:16] = embedding(16, 64, 9)
+    key = writer.get_key("99")
+    with raw_client(local_config(mooncake_master_session, global_segment_size=0)) as raw:
+        assert raw.put(key, b"not an mmkey entry") == 0
+        assert writer.batch_put_from_multi_buffers(["99"], ptrs, sizes) == [True]
+    dst, ptrs, sizes = pages(reader, 16)
+    assert reader.batch_get_into_multi_buffers(["99"], ptrs, sizes) == [True]
+    assert torch.equal(dst[:16], src[:16])
+
+
+def test_only_the_process_that_does_store_io_connects(
+    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = MMKeyEmbeddingStore(namespace=NAMESPACE, config=config(mooncake_master_session), tp_rank=1)
+    try:
+        assert not store.does_io
+        with pytest.raises(RuntimeError, match="no store I/O"):
+            _ = store.cache
+        pool = torch.zeros(64, 64, dtype=DTYPE)
+        store.register_buffer(pool)  # recorded, never registered with Mooncake
+        assert store.batch_is_exist(["1"]) == [False]
+        assert store.batch_put_from_multi_buffers(["1"], [[pool.data_ptr()]], [[64 * 64 * 2]]) == [False]
+    finally:
+        store.close()
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_rank=2):  # as SGLang's encoder sets it in a TP rank
+        assert not MMKeyEmbeddingStore(namespace=NAMESPACE, config=config(mooncake_master_session)).does_io
 
 
 def test_audio_pool_round_trip_and_exists_in_any_pool(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
@@ -298,12 +372,27 @@ def test_bad_hash_text_and_unknown_memory_are_misses_not_exceptions(
     elsewhere = torch.zeros(4, 64, dtype=DTYPE)
     with caplog.at_level(logging.ERROR, logger="mmkey.integrations.sglang"):
         assert store.batch_is_exist(["12", "012", "-3", "abc"]) == [False] * 4
-        assert store.batch_put_from_multi_buffers(["1_0", "10"], ptrs * 2, [[8 * 64 * 2]] + sizes) == [False, True]
+        assert store.batch_put_from_multi_buffers(["", "10"], ptrs * 2, [[8 * 64 * 2]] + sizes) == [False, True]
         assert store.batch_get_into_multi_buffers(["10"], [[elsewhere.data_ptr()]], sizes) == [False]
         assert store.batch_get_into_multi_buffers(["10", "10"], ptrs, sizes) == [False, False]  # lengths differ
-    assert "canonical decimal" in caplog.text
+    assert "must not be empty" in caplog.text
     assert "no registered pool" in caplog.text
-    assert store.stats().skipped >= 5
+    assert store.stats().skipped >= 2
+
+
+@pytest.mark.parametrize("text", ["012", "-3", "a caller's hash: cat.png", "0x1f", str(2**200)])
+def test_any_hash_text_round_trips_under_an_identifier_key(
+    make_store: Callable[..., MMKeyEmbeddingStore], text: str
+) -> None:
+    writer, reader = make_store(), make_store()
+    src, ptrs, sizes = pages(writer, 8)
+    src[:8] = embedding(8, 64, 8)
+    assert writer.batch_put_from_multi_buffers([text], ptrs, sizes) == [True]
+    assert "@id@" in writer.get_key(text)
+    dst, ptrs, sizes = pages(reader, 8)
+    assert reader.batch_is_exist([text]) == [True]
+    assert reader.batch_get_into_multi_buffers([text], ptrs, sizes) == [True]
+    assert torch.equal(dst[:8], src[:8])
 
 
 # -- a master that hangs or dies -----------------------------------------------------------------
@@ -389,7 +478,7 @@ def test_problems_are_logged_at_a_limited_rate(
     store = make_store()
     with caplog.at_level(logging.ERROR, logger="mmkey.integrations.sglang"):
         for _ in range(50):
-            assert store.batch_is_exist(["x"]) == [False]
+            assert store.batch_is_exist([""]) == [False]
     lines = [r for r in caplog.records if "refused" in r.getMessage()]
     assert len(lines) == 1
     assert store.stats().skipped == 50
