@@ -130,8 +130,11 @@ def test_is_an_sglang_embedding_store(make_store: Callable[..., MMKeyEmbeddingSt
 
 
 def test_factory_creates_it_from_the_environment(
-    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
+    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    import mmkey.integrations.sglang as integration
+
+    monkeypatch.setattr(integration, "_started", False)
     monkeypatch.setattr(EmbeddingStoreFactory, "_registry", dict(EmbeddingStoreFactory._registry))
     monkeypatch.setenv("MMKEY_NAMESPACE", "factory-model")
     monkeypatch.setenv("MOONCAKE_MASTER", mooncake_master_session.address)
@@ -140,7 +143,13 @@ def test_factory_creates_it_from_the_environment(
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
     monkeypatch.setenv("MMKEY_DEADLINE", "1.5")
     EmbeddingStoreFactory.register_backend("mmkey", "mmkey.integrations.sglang", "MMKeyEmbeddingStore")
-    store = EmbeddingStoreFactory.create_backend("mmkey")
+    with caplog.at_level(logging.INFO, logger="mmkey.integrations.sglang"):
+        store = EmbeddingStoreFactory.create_backend("mmkey")
+        EmbeddingStoreFactory.create_backend("mmkey").close()  # type: ignore[attr-defined]
+    starts = [r.getMessage() for r in caplog.records if "mmkey SGLang store:" in r.getMessage()]
+    assert len(starts) == 1  # the effective configuration, once per process
+    assert f"namespace=factory-model hashes=sglang master={mooncake_master_session.address} protocol=tcp" in starts[0]
+    assert "(from environment)" in starts[0]
     try:
         assert isinstance(store, MMKeyEmbeddingStore)
         assert store.namespace == "factory-model"
