@@ -318,3 +318,29 @@ def test_a_launcher_whose_spawning_module_passed_a_finder_ahead_of_mmkeys_refuse
     result = run_probe(("--finder-ahead",), probe_env("1", mooncake_master_session))
     assert "imported without mmkey's patch of launch_encoder" in result["launcher"]["refused"]
     assert "Bypass" in result["launcher"]["refused"]  # the finder ahead is named
+
+
+def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugins(tmp_path: Path) -> None:
+    import shutil
+    import types
+
+    import sglang
+
+    patch_file = Path(__file__).parents[1] / "patches" / "sglang-0.5.23-load-plugins.patch"
+    if shutil.which("patch") is None:
+        pytest.skip("needs the patch program")
+    site = Path(sglang.__file__).parents[1]
+    files = {ranks.SERVER_MODULE: "launch_encoder", ranks.RUNTIME_MODULE: "launch_dp_worker"}
+    for module in files:
+        relative = Path(*module.split(".")).with_suffix(".py")
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(site / relative, tmp_path / relative)
+    done = subprocess.run(["patch", "-p1", "-d", str(tmp_path), "-i", str(patch_file)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for module, name in files.items():
+        relative = Path(*module.split(".")).with_suffix(".py")
+        code = compile((tmp_path / relative).read_text(), str(relative), "exec")
+        function = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
+        assert ranks.loads_plugins_itself(types.FunctionType(function, {}))
+        original = getattr(importlib.import_module(module), name)
+        assert not ranks.loads_plugins_itself(ranks.original_of(module, name) if original.__module__.startswith("mmkey") else original)
