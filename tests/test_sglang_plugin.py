@@ -344,3 +344,90 @@ def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugi
         assert ranks.loads_plugins_itself(types.FunctionType(function, {}))
         original = getattr(importlib.import_module(module), name)
         assert not ranks.loads_plugins_itself(ranks.original_of(module, name) if original.__module__.startswith("mmkey") else original)
+
+
+# -- MMKEY_SGLANG_HASH=blake3: 128-bit feature hashes through SGLang's hook registry ----------
+
+
+@pytest.fixture
+def blake3_plugin(fresh_loader: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """The plugin loaded with ``MMKEY_SGLANG_HASH=blake3``; SGLang's hook registry and the
+    hooked functions restored afterwards."""
+    from collections import defaultdict
+
+    import sglang.srt.managers.mm_utils as mm_utils
+    from sglang.srt.disaggregation.encoder.server import MMEncoder
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import mmkey.integrations._sglang_hash as hashing
+
+    fresh_loader.setattr(HookRegistry, "_hooks", defaultdict(list))
+    fresh_loader.setattr(HookRegistry, "_patched", set())
+    fresh_loader.setattr(hashing, "_installed", False)
+    fresh_loader.setattr(mm_utils, "tensor_hash", mm_utils.tensor_hash)
+    fresh_loader.setattr(MMEncoder, "_calculate_hashes_from_features", MMEncoder._calculate_hashes_from_features)
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    fresh_loader.setenv("MMKEY_SGLANG_HASH", "blake3")
+    plugins.load_plugins()
+    assert integration.plugin_errors() == []
+    yield fresh_loader
+
+
+def encoder_hashes(feature: Any, patches: list[int]) -> list[int]:
+    """The encode server's own ``_calculate_hashes_from_features`` for a batch of images of
+    `patches` rows each (its preprocessor stood in for: it only counts patches)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.encoder.server import MMEncoder
+    from sglang.srt.multimodal.modality import Modality as SGLangModality
+
+    counts = iter(patches)
+    encoder = SimpleNamespace(preprocessor=SimpleNamespace(get_num_patches=lambda grid, modality: next(counts)))
+    hashes: list[int] = MMEncoder._calculate_hashes_from_features(encoder, feature, patches, SGLangModality.IMAGE)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    return hashes
+
+
+def test_blake3_makes_sglangs_feature_hashes_128_bit(blake3_plugin: pytest.MonkeyPatch) -> None:
+    import torch
+    from sglang.srt.managers import mm_utils
+
+    from mmkey import HashScheme, hash_tensor
+
+    features = [torch.randn(16, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    hashed = [mm_utils.hash_feature(f) for f in features]  # how SGLang hashes an item's feature
+    assert hashed == [int(hash_tensor(f, HashScheme.BLAKE3)) for f in features]
+    assert max(hashed) >= 2**64  # 128 bits wide (8 draws below 2**64 by chance: 2**-512)
+    # the encoder's hashes keep all 128 bits, although SGLang's item keeps only 64 of them
+    batch = torch.cat(features[:3])
+    assert encoder_hashes(batch, [16, 16, 16]) == hashed[:3]
+
+
+def test_without_the_switch_sglang_keeps_its_64_bit_hash(fresh_loader: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from mmkey import HashScheme, hash_tensor
+
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    plugins.load_plugins()
+    feature = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    [value] = encoder_hashes(feature, [6])
+    assert value == int(hash_tensor(feature, HashScheme.SGLANG))  # SGLang's SHA-256, 64 bits
+
+
+def test_features_that_collide_under_sglangs_64_bit_hash_get_different_keys(
+    blake3_plugin: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from mmkey import HashScheme, Modality, hash_tensor
+    from mmkey.integrations._sglang_keys import sglang_key
+
+    pixels = torch.randn(24, 16, generator=torch.Generator().manual_seed(5))
+    # the same bytes as 24 patches of 16 and as 16 patches of 24 (another image size), or
+    # read as int32: SGLang's hash sees only the bytes, so all three collide in all 64 bits
+    a, b, c = pixels, pixels.reshape(16, 24), pixels.view(torch.int32)
+    assert len({int(hash_tensor(t, HashScheme.SGLANG)) for t in (a, b, c)}) == 1
+    hashes = [encoder_hashes(t, [t.shape[0]])[0] for t in (a, b, c)]
+    keys = {sglang_key("m", Modality.IMAGE, str(h), HashScheme.BLAKE3).to_key() for h in hashes}
+    assert len(keys) == 3
+    assert all("@blake3@" in key for key in keys)

@@ -209,9 +209,12 @@ def _patch(module: ModuleType) -> None:
 def _register_backend() -> None:
     """`register_plugin` in a spawned process (which records its own configuration errors,
     so the store there refuses to start on them)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
     from mmkey.integrations.sglang import register_plugin
 
     register_plugin()
+    HookRegistry.apply_hooks()  # what SGLang's load_plugins does after the plugins ran
 
 
 class PatchAfterImport(importlib.abc.MetaPathFinder):

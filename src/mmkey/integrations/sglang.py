@@ -459,6 +459,10 @@ def register_plugin() -> None:
     for error in errors:
         logger.error("mmkey: %s", error)
     cover_spawned_encoders()
+    if not errors and hash_mode() is HashScheme.BLAKE3:
+        from mmkey.integrations._sglang_hash import install
+
+        install()
     logger.info(
         "mmkey: --mm-global-cache-backend mooncake now creates %s.%s (%s=%s)%s",
         _MODULE,
