@@ -3,7 +3,8 @@
 It does what SGLang's launcher does before its encoder starts: SGLang's plugin loader, then
 the encoder modules, then one ``spawn`` child per label given on the command line, each
 started with the function that the spawning module holds under that name now, as SGLang
-starts its TP ranks and DP workers. ``spawn`` runs this file again in each child (as
+starts its TP ranks and DP workers (a label prefixed ``no-namespace:`` starts its child with
+``MMKEY_NAMESPACE`` unset). ``spawn`` runs this file again in each child (as
 ``__mp_main__``) before the target is unpickled; there SGLang's entry points become `probe`,
 which reports what ``EmbeddingStoreFactory`` creates for ``mooncake`` instead of starting a
 GPU encoder. Prints one JSON object: the parent's targets and the children's reports.
@@ -16,6 +17,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import multiprocessing
+import os
 import queue
 import sys
 from typing import Any
@@ -30,6 +32,8 @@ TARGETS = {
     "server.launch_encoder": (SERVER, "launch_encoder"),  # SGLang's own, where it is defined
 }
 REPORT_TIMEOUT = 180.0
+NO_NAMESPACE = "no-namespace:"
+"""A label prefix: that child is started with MMKEY_NAMESPACE unset."""
 MMKEY_MODULE = "mmkey.integrations.sglang"
 
 
@@ -97,11 +101,17 @@ def main(labels: list[str]) -> int:
     targets: dict[str, str] = {}
     children = []
     for label in labels:
-        module, name = TARGETS[label]
+        no_namespace = label.startswith(NO_NAMESPACE)
+        module, name = TARGETS[label.removeprefix(NO_NAMESPACE)]
         target = getattr(importlib.import_module(module), name)
         targets[label] = qualified(target)
         child = context.Process(target=target, args=(reports, label, "schedule-path", 1), daemon=True)
-        child.start()
+        namespace = os.environ.pop("MMKEY_NAMESPACE", None) if no_namespace else None
+        try:  # a child started while the namespace is unset inherits that configuration error
+            child.start()
+        finally:
+            if namespace is not None:
+                os.environ["MMKEY_NAMESPACE"] = namespace
         children.append(child)
     received: list[object] = []
     try:

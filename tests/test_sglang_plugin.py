@@ -148,7 +148,6 @@ def test_the_tested_version_is_the_installed_one() -> None:
 # -- the encoder processes SGLang spawns (TP ranks above 0, DP workers) -----------------------
 
 PROBE = Path(__file__).with_name("sglang_spawn_probe.py")
-SPAWN_LABELS = ("runtime.launch_encoder", "grpc_server.launch_encoder", "runtime.launch_dp_worker")
 
 
 @pytest.fixture
@@ -281,35 +280,34 @@ def probe_env(switch: str, master: MasterProcess, **more: str) -> dict[str, str]
     return env
 
 
-def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store(mooncake_master_session: MasterProcess) -> None:
+def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store_or_refuse(mooncake_master_session: MasterProcess) -> None:
     # server.launch_encoder is SGLang's own entry point, spawned directly as without the plugin:
-    # the control that shows the probe sees SGLang's store where mmkey's is not registered
-    result = run_probe((*SPAWN_LABELS, "server.launch_encoder"), probe_env("1", mooncake_master_session))
-    ours = {"runtime.launch_dp_worker": "launch_dp_worker"}
+    # the control that shows the probe sees SGLang's store where mmkey's is not registered.
+    # A gRPC TP rank and a DP worker are started without MMKEY_NAMESPACE: they refuse to start.
+    built = ("runtime.launch_encoder", "runtime.launch_dp_worker")
+    refused = ("no-namespace:grpc_server.launch_encoder", "no-namespace:runtime.launch_dp_worker")
+    result = run_probe((*built, *refused, "server.launch_encoder"), probe_env("1", mooncake_master_session))
     assert result["targets"] == {
-        **{label: f"{ranks.__name__}.{ours.get(label, 'launch_encoder')}" for label in SPAWN_LABELS},
+        "runtime.launch_encoder": f"{ranks.__name__}.launch_encoder",
+        "runtime.launch_dp_worker": f"{ranks.__name__}.launch_dp_worker",
+        refused[0]: f"{ranks.__name__}.launch_encoder",
+        refused[1]: f"{ranks.__name__}.launch_dp_worker",
         "server.launch_encoder": f"{ranks.SERVER_MODULE}.launch_encoder",
     }
     reports = {r["label"]: r for r in result["reports"]}
     assert sorted(reports) == sorted(result["targets"])
-    for label in SPAWN_LABELS:
+    for label in (*built, *refused):
         assert reports[label]["mooncake"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
+        assert reports[label]["args"] == 2  # SGLang's arguments reach its entry point unchanged
+    for label in built:
         assert reports[label]["created"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
         assert reports[label]["namespace"] == "spawned-model"
-        assert reports[label]["args"] == 2  # SGLang's arguments reach its entry point unchanged
-    assert reports["server.launch_encoder"]["mooncake"] == f"{SGLANG_MOONCAKE}.MooncakeEmbeddingStore"
-    assert "created" not in reports["server.launch_encoder"]
-    assert result["exitcodes"] == [0, 0, 0, 0]
-
-
-def test_spawned_children_refuse_to_start_on_a_configuration_error(mooncake_master_session: MasterProcess) -> None:
-    result = run_probe(SPAWN_LABELS, probe_env("1", mooncake_master_session, MMKEY_NAMESPACE=""))
-    reports = {r["label"]: r for r in result["reports"]}
-    assert sorted(reports) == sorted(SPAWN_LABELS)
-    for label in SPAWN_LABELS:
-        assert reports[label]["mooncake"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
+    for label in refused:
         assert "created" not in reports[label]
         assert "MMKEY_NAMESPACE is not set" in reports[label]["refused"]
+    assert reports["server.launch_encoder"]["mooncake"] == f"{SGLANG_MOONCAKE}.MooncakeEmbeddingStore"
+    assert "created" not in reports["server.launch_encoder"]
+    assert result["exitcodes"] == [0] * 5
 
 
 def test_a_launcher_whose_spawning_module_passed_a_finder_ahead_of_mmkeys_refuses_to_start(
