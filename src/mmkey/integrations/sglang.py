@@ -17,11 +17,12 @@ raises into SGLang.
 
 Data path: the pools SGLang registers are registered with Mooncake, and a put sends each
 new entry straight from its pool pages (`MooncakeCache.insert_from`: a header sealed over
-the pages, then header and pages in one multi-buffer put). A get lands entries in the
+the pages, then header and pages in one multi-buffer put); a hash the store holds already is
+read back and, when it verifies, kept instead of rewritten. A get lands entries in the
 cache's own staging buffers and copies each into its pages only after it verified
 (`MooncakeCache.read_into`): Mooncake cannot cancel a transfer, so a read given up at the
 deadline may still land later, and SGLang hands the pages of a missed read to other
-entries at once.
+entries at once. Only the process that does SGLang's store I/O (TP rank 0) connects.
 
 The plugin (`register_plugin`, entry point ``mmkey`` in group ``sglang.srt.plugins``) does
 nothing unless ``MMKEY_SGLANG_BACKEND`` is set to anything but ``0``: then the backend name
@@ -145,7 +146,6 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             _log_start(f"namespace={self._namespace} hashes={self._hashes.value} {settings.describe()}")
         self._io = _does_io(tp_rank)
         self._cache: MooncakeCache | None = MooncakeCache(config) if self._io else None
-        self._config = config
         self._pools = PoolTable()
         self._known: dict[str, Modality] = {}  # hash text -> modality of its pool, last few
         self._counts = Counters()
