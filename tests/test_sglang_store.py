@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.embedding_cache_controller import (  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore, EmbeddingStoreFactory  # noqa: E402
 from sglang.srt.multimodal.modality import Modality as SGLangModality  # noqa: E402
 
-from mmkey import MooncakeConfig, Modality  # noqa: E402
+from mmkey import EmbeddingKey, MooncakeConfig, Modality  # noqa: E402
 from mmkey.integrations.sglang import MMKeyEmbeddingStore  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
@@ -314,6 +314,30 @@ def test_audio_pool_round_trip_and_exists_in_any_pool(make_store: Callable[..., 
         assert writer_store.key_for("77", Modality.AUDIO).to_key().startswith("mmk1@qwen2.5-vl-7b%40rev1@audio@")
         got = fetch(reader, ["77"], [700], audio)
         assert got[0] is not None and torch.equal(got[0], clip)
+
+
+def test_lookups_ask_one_key_for_a_hash_whose_pool_is_known(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_store()
+    vision, audio = torch.zeros(64, 64, dtype=DTYPE), torch.zeros(64, 32, dtype=DTYPE)
+    store.register_buffer(vision)
+    store.register_buffer(audio)
+    asked: list[int] = []
+    real = store.cache.batch_is_exist
+
+    def counted(keys: list[EmbeddingKey]) -> list[bool]:
+        asked.append(len(keys))
+        return real(keys)
+
+    monkeypatch.setattr(store.cache, "batch_is_exist", counted)
+    assert store.batch_is_exist(["51"]) == [False]
+    assert asked == [2]  # never moved here: the key of each pool, in one call
+    vision[:4] = embedding(4, 64, 51)
+    assert store.batch_put_from_multi_buffers(["51"], [[vision.data_ptr()]], [[4 * 64 * 2]]) == [True]
+    asked.clear()
+    assert store.batch_is_exist(["51", "52"]) == [True, False]
+    assert asked == [3]  # one key for the hash put from the vision pool, two for the other
 
 
 # -- what never verifies ------------------------------------------------------------------------
