@@ -429,3 +429,13 @@ def test_features_that_collide_under_sglangs_64_bit_hash_get_different_keys(
     keys = {sglang_key("m", Modality.IMAGE, str(h), HashScheme.BLAKE3).to_key() for h in hashes}
     assert len(keys) == 3
     assert all("@blake3@" in key for key in keys)
+
+
+def test_blake3_without_the_plugin_refuses_to_start(fresh_loader: pytest.MonkeyPatch) -> None:
+    import mmkey.integrations._sglang_hash as hashing
+
+    fresh_loader.setattr(hashing, "_installed", False)
+    fresh_loader.setenv("MMKEY_SGLANG_HASH", "blake3")
+    EmbeddingStoreFactory.register_backend("mmkey", "mmkey.integrations.sglang", "MMKeyEmbeddingStore")
+    with pytest.raises(SGLangConfigError, match="set MMKEY_SGLANG_BACKEND=1 instead"):
+        EmbeddingStoreFactory.create_backend("mmkey")

@@ -28,7 +28,7 @@ from mmkey.hashing import hash_bytes, hash_tensor
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["ENCODER_HASHES", "TENSOR_HASH", "feature_hash", "full_width_hashes", "install"]
+__all__ = ["ENCODER_HASHES", "TENSOR_HASH", "feature_hash", "full_width_hashes", "install", "installed"]
 
 TENSOR_HASH = "sglang.srt.managers.mm_utils.tensor_hash"
 """SGLang's hash of a feature tensor or list of tensors."""
@@ -78,6 +78,11 @@ def full_width_hashes(original: Callable[..., Any], *args: Any, **kwargs: Any) -
     if not isinstance(hashes, list):
         return hashes
     return [seen.get(h, h) if isinstance(h, int) and not isinstance(h, bool) else h for h in hashes]
+
+
+def installed() -> bool:
+    """Whether `install` registered the hooks in this process."""
+    return _installed
 
 
 def install() -> None:

@@ -139,6 +139,12 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         scheme = hash_mode() if hashes is None else hashes
         if scheme not in (HashScheme.SGLANG, HashScheme.BLAKE3):
             raise TypeError(f"hashes must be HashScheme.SGLANG or HashScheme.BLAKE3, got {scheme!r}")
+        if hashes is None and scheme is HashScheme.BLAKE3 and not _hash_hooks_installed():
+            raise SGLangConfigError(
+                f"{HASH_ENV}=blake3 but SGLang still hashes with its own 64-bit hash in this process: "
+                f"the plugin installs the BLAKE3 hash; set {BACKEND_ENV}=1 instead of registering "
+                "the backend by hand"
+            )
         self._hashes = scheme
         if config is None:
             settings = settings_from_env()
@@ -363,6 +369,12 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             for plan, ok in zip(todo, stored):
                 result[plan.index] = ok
         return result
+
+
+def _hash_hooks_installed() -> bool:
+    from mmkey.integrations import _sglang_hash
+
+    return _sglang_hash.installed()
 
 
 _KNOWN_HASHES = 8192
