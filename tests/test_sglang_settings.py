@@ -168,3 +168,10 @@ def test_mooncake_client_beside_a_master_is_noted_not_used() -> None:
     settings = settings_from_env({"MOONCAKE_MASTER": "m:1", "MOONCAKE_CLIENT": "c:2"})
     assert settings.config.master_server_address == "m:1"
     assert "MOONCAKE_CLIENT=c:2 not used" in settings.describe()
+
+
+def test_mooncake_variables_are_read_only_the_sglang_way() -> None:
+    # MOONCAKE_CONFIG_PATH is Mooncake's own file variable, which SGLang's backend does not read
+    settings = settings_from_env({"MOONCAKE_MASTER": "m:1", "MOONCAKE_CONFIG_PATH": "/nonexistent/mooncake.json"})
+    assert settings.config.master_server_address == "m:1"
+    assert "MOONCAKE_CONFIG_PATH not read (SGLang's backend reads SGLANG_HICACHE_MOONCAKE_CONFIG_PATH)" in settings.describe()

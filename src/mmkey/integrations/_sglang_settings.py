@@ -14,7 +14,8 @@ The Mooncake store is configured as SGLang's own Mooncake embedding backend conf
 ``MOONCAKE_TE_META_DATA_SERVER`` (default ``P2PHANDSHAKE``), ``MOONCAKE_GLOBAL_SEGMENT_SIZE``
 (default 4 GiB), ``MOONCAKE_TENANT_ID``; the local host name from ``MOONCAKE_LOCAL_HOSTNAME``,
 then ``LOCAL_HOSTNAME``, then the file, then ``localhost``. mmkey adds
-``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_REPLICA_NUM`` and ``MMKEY_DEADLINE``.
+``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_REPLICA_NUM``, ``MMKEY_DEADLINE`` and the
+``MMKEY_*`` settings `MooncakeConfig.from_env` reads.
 ``MOONCAKE_CLIENT`` (a standalone ``mooncake_client``) is not used by SGLang's embedding
 backend either: the store talks to the master itself, so a master is required.
 """
@@ -220,6 +221,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings
                 fields[name] = env[var]
         client = env.get("MOONCAKE_CLIENT")
         source = "environment"
+        if env.get("MOONCAKE_CONFIG_PATH"):
+            notes.append(f"MOONCAKE_CONFIG_PATH not read (SGLang's backend reads {SGLANG_CONFIG_ENV})")
     for var in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):  # SGLang: these win over the file
         if env.get(var):
             fields["local_hostname"] = env[var]
@@ -246,7 +249,10 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings
             if not (text.isascii() and text.isdigit()):
                 raise ValueError(f"MOONCAKE_REPLICA_NUM must be a whole number >= 1, got {text!r}")
             fields["replica_num"] = int(text)
-        return StoreSettings(MooncakeConfig(**fields), source, tuple(notes))
+        # mmkey's own MMKEY_* settings of a Mooncake cache come from MooncakeConfig.from_env,
+        # with every Mooncake field above given: nothing of Mooncake's is read twice
+        mmkey_only = {k: v for k, v in env.items() if k.startswith("MMKEY_")}
+        return StoreSettings(MooncakeConfig.from_env(mmkey_only, **fields), source, tuple(notes))
     except (TypeError, ValueError) as exc:
         raise SGLangConfigError(f"Mooncake configuration ({source}): {exc}") from None
 
