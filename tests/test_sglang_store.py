@@ -258,8 +258,9 @@ def test_racing_encoders_write_one_image_once(
         results = list(
             pool_.map(lambda i: stores[i].batch_put_from_multi_buffers(["321"], pages_of[i][1], pages_of[i][2]), range(3))
         )
-    assert results == [[True]] * 3
-    # at most the ones that looked before the first landed write; the rest kept what was there
+    # one write lands; a put that looked while another was landing may fail (SGLang keeps its
+    # local entry), and one that looked after it kept what was there
+    assert [True] in results
     assert sum(puts) + sum(upserts) <= 3
     later = make_store()
     pool, ptrs, sizes = pages(later, 30)
@@ -267,6 +268,11 @@ def test_racing_encoders_write_one_image_once(
     before = (sum(puts), sum(upserts))
     assert later.batch_put_from_multi_buffers(["321"], ptrs, sizes) == [True]
     assert (sum(puts), sum(upserts)) == before  # the second put of a held entry writes nothing
+    assert later.stats().skipped == 1
+    reader = make_store()
+    dst, ptrs, sizes = pages(reader, 30)
+    assert reader.batch_get_into_multi_buffers(["321"], ptrs, sizes) == [True]
+    assert torch.equal(dst[:30], embedding(30, 64, 123))
 
 
 def test_an_entry_held_already_that_does_not_verify_is_replaced(
