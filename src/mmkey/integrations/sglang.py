@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
@@ -154,6 +155,8 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._cache: MooncakeCache | None = MooncakeCache(config) if self._io else None
         self._pools = PoolTable()
         self._known: dict[str, Modality] = {}  # hash text -> modality of its pool, last few
+        self._lookups: dict[str, tuple[EmbeddingKey, ...]] = {}  # hash text -> keys a lookup asks
+        self._memo_lock = threading.Lock()
         self._counts = Counters()
         self._log = RateLimitedLog(logger, logging.ERROR, "mmkey embedding store: %s%s", period=_LOG_EVERY)
 
@@ -185,6 +188,8 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         """Record an embedding pool (its modality follows `REGISTRATION_ORDER`) and register
         its memory with the store, so puts send entries straight from its pages."""
         self._pools.register(tensor)
+        with self._memo_lock:
+            self._lookups.clear()  # a new pool: lookups of unknown hashes ask its key too
         if self._cache is not None:
             self._cache.register_memory(tensor)
 
@@ -194,6 +199,8 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         if not isinstance(value, Modality):
             raise TypeError(f"modality must be a Modality member, got {value!r}")
         self._pools.register(tensor, modality)
+        with self._memo_lock:
+            self._lookups.clear()
         if self._cache is not None:
             self._cache.register_memory(tensor)
 
@@ -287,25 +294,39 @@ class MMKeyEmbeddingStore(EmbeddingStore):
 
     def _remember(self, text: str, modality: Modality) -> None:
         """Note the pool modality of a hash this store moved, so lookups ask one key for it."""
-        known = self._known
-        if text not in known and len(known) >= _KNOWN_HASHES:
-            del known[next(iter(known))]
-        known[text] = modality
+        with self._memo_lock:
+            if self._known.get(text) is not modality:
+                _bounded_set(self._known, text, modality)
+                self._lookups.pop(text, None)
+
+    def _lookup_keys(self, index: int, text: str) -> tuple[EmbeddingKey, ...]:
+        """The keys a lookup of `text` asks (its pool's, or every pool's); remembered."""
+        value: object = text
+        if not isinstance(value, str):
+            self._parse(index, text, REGISTRATION_ORDER[0])  # refused: counted and logged
+            return ()
+        found = self._lookups.get(text)
+        if found is not None:
+            return found
+        known = self._known.get(text)
+        keys: list[EmbeddingKey] = []
+        for modality in self._pools.modalities() if known is None else (known,):
+            key = self._parse(index, text, modality)
+            if key is None:
+                return ()
+            keys.append(key)
+        _bounded_set(self._lookups, text, tuple(keys))
+        return tuple(keys)
 
     def _exist(self, hashes: list[str]) -> list[bool]:
         assert self._cache is not None
         keys: list[EmbeddingKey] = []
         owners: list[int] = []
-        every = self._pools.modalities()
-        for i, text in enumerate(hashes):
-            value: object = text
-            known = self._known.get(text) if isinstance(value, str) else None
-            for modality in every if known is None else (known,):
-                key = self._parse(i, text, modality)
-                if key is None:
-                    break
-                keys.append(key)
-                owners.append(i)
+        with self._memo_lock:
+            for i, text in enumerate(hashes):
+                group = self._lookup_keys(i, text)
+                keys.extend(group)
+                owners.extend([i] * len(group))
         result = [False] * len(hashes)
         for owner, found in zip(owners, self._cache.batch_is_exist(keys) if keys else []):
             result[owner] = result[owner] or found
@@ -377,8 +398,16 @@ def _hash_hooks_installed() -> bool:
     return _sglang_hash.installed()
 
 
+_V = TypeVar("_V")
 _KNOWN_HASHES = 8192
-"""How many hashes' pool modalities a store remembers for its lookups."""
+"""How many hashes' pool modalities (and lookup keys) a store remembers."""
+
+
+def _bounded_set(memo: dict[str, _V], text: str, value: _V) -> None:
+    """`memo[text] = value`, dropping the oldest entry beyond `_KNOWN_HASHES`."""
+    if text not in memo and len(memo) >= _KNOWN_HASHES:
+        del memo[next(iter(memo))]
+    memo[text] = value
 
 
 def _fits(entry: torch.Tensor, rows: list[torch.Tensor]) -> bool:
