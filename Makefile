@@ -96,7 +96,8 @@ test: typecheck verifytypes stubtest pytest test-matrix test-vllm test-sglang
 # (scripts/sglang-env.sh).
 SGLANG_PYTHON ?= python3.11
 SGLANG_VENV := .venv-sglang
-SGLANG_TESTS := tests/test_sglang_store.py tests/test_sglang_plugin.py tests/test_sglang_keys.py tests/test_sglang_pools.py
+SGLANG_TESTS := tests/test_sglang_store.py tests/test_sglang_plugin.py tests/test_sglang_keys.py tests/test_sglang_pools.py \
+    tests/test_sglang_settings.py
 
 $(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml
 	sh scripts/install-system-deps.sh

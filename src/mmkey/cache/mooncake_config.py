@@ -17,7 +17,12 @@ __all__ = ["MooncakeConfig", "parse_size"]
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(kb|mb|gb|tb|k|m|g|t|b)?", re.ASCII | re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_PROTOCOLS = frozenset({"tcp", "rdma"})
+# the transports mooncake-transfer-engine 0.3.13 sets up for a store client (its
+# mooncake_config.py lists them; which work depends on the build and the hardware)
+_PROTOCOLS = frozenset(
+    {"tcp", "rdma", "efa", "nvmeof", "nvlink", "nvlink_intra", "musa", "hip", "barex", "cxl",
+     "ascend", "ub", "ubshmem", "maca", "sunrise_link"}
+)
 
 
 def parse_size(value: int | str, field: str = "size") -> int:
