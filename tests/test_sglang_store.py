@@ -562,4 +562,5 @@ def test_fleet_secret_from_the_environment_signs_and_checks_entries(
     theirs, ptrs, sizes = pages(stranger, 12)
     assert stranger.batch_get_into_multi_buffers(["41"], ptrs, sizes) == [False]
     assert stranger.stats().forged == 1
+    assert stranger.stats().unknown_key == 1  # the reason reaches SGLang's store counters
     assert not theirs.any()

@@ -257,6 +257,12 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             errors=inner.errors + c.get("failed", 0),
             forged=inner.forged,
             skipped=inner.skipped + c.get("rejected", 0) + c.get("kept", 0),
+            unsigned=inner.unsigned,
+            unknown_key=inner.unknown_key,
+            expired=inner.expired,
+            bad_mac=inner.bad_mac,
+            unsigned_served=inner.unsigned_served,
+            oversized=inner.oversized,
         )
 
     def close(self) -> None:
