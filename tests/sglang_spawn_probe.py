@@ -3,7 +3,8 @@
 It does what SGLang's launcher does before its encoder starts: SGLang's plugin loader, then
 the encoder modules, then one ``spawn`` child per label given on the command line, each
 started with the function that the spawning module holds under that name now, as SGLang
-starts its TP ranks and DP workers. ``spawn`` runs this file again in each child (as
+starts its TP ranks and DP workers (a label prefixed ``no-namespace:`` starts its child with
+``MMKEY_NAMESPACE`` unset). ``spawn`` runs this file again in each child (as
 ``__mp_main__``) before the target is unpickled; there SGLang's entry points become `probe`,
 which reports what ``EmbeddingStoreFactory`` creates for ``mooncake`` instead of starting a
 GPU encoder. Prints one JSON object: the parent's targets and the children's reports.
@@ -12,8 +13,11 @@ GPU encoder. Prints one JSON object: the parent's targets and the children's rep
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import json
 import multiprocessing
+import os
 import queue
 import sys
 from typing import Any
@@ -28,6 +32,8 @@ TARGETS = {
     "server.launch_encoder": (SERVER, "launch_encoder"),  # SGLang's own, where it is defined
 }
 REPORT_TIMEOUT = 180.0
+NO_NAMESPACE = "no-namespace:"
+"""A label prefix: that child is started with MMKEY_NAMESPACE unset."""
 MMKEY_MODULE = "mmkey.integrations.sglang"
 
 
@@ -43,13 +49,47 @@ def probe(reports: Any, label: str, *rest: object) -> None:
     entry = EmbeddingStoreFactory._registry["mooncake"]
     report: dict[str, object] = {"label": label, "args": len(rest), "mooncake": f"{entry['module_path']}.{entry['class_name']}"}
     if entry["module_path"] == MMKEY_MODULE:
-        store: Any = EmbeddingStoreFactory.create_backend("mooncake")
-        try:
-            report["created"] = qualified(type(store))
-            report["namespace"] = store.namespace
-        finally:
-            store.close()
+        report.update(create())
     reports.put(report)
+
+
+def create() -> dict[str, object]:
+    """What ``create_backend("mooncake")`` does here, as the encoder calls it: the store it
+    created, or the error it refused to start with."""
+    from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
+
+    try:
+        store: Any = EmbeddingStoreFactory.create_backend("mooncake")
+    except Exception as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    try:
+        return {"created": qualified(type(store)), "namespace": store.namespace}
+    finally:
+        store.close()
+
+
+class Bypass(importlib.abc.MetaPathFinder):
+    """A finder placed ahead of mmkey's (as import instrumentation or a PEX would be) that
+    finds SGLang's encoder modules itself."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in (RUNTIME, GRPC):
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, path, target)
+
+    def __repr__(self) -> str:
+        return "Bypass()"
+
+
+def finder_ahead() -> int:
+    """A launcher in which a finder ahead of mmkey's loads the spawning module: its store."""
+    import sglang.srt.plugins as plugins
+
+    plugins.load_plugins()
+    sys.meta_path.insert(0, Bypass())
+    importlib.import_module(RUNTIME)
+    print(json.dumps({"launcher": create()}))
+    return 0
 
 
 def main(labels: list[str]) -> int:
@@ -61,11 +101,17 @@ def main(labels: list[str]) -> int:
     targets: dict[str, str] = {}
     children = []
     for label in labels:
-        module, name = TARGETS[label]
+        no_namespace = label.startswith(NO_NAMESPACE)
+        module, name = TARGETS[label.removeprefix(NO_NAMESPACE)]
         target = getattr(importlib.import_module(module), name)
         targets[label] = qualified(target)
         child = context.Process(target=target, args=(reports, label, "schedule-path", 1), daemon=True)
-        child.start()
+        namespace = os.environ.pop("MMKEY_NAMESPACE", None) if no_namespace else None
+        try:  # a child started while the namespace is unset inherits that configuration error
+            child.start()
+        finally:
+            if namespace is not None:
+                os.environ["MMKEY_NAMESPACE"] = namespace
         children.append(child)
     received: list[object] = []
     try:
@@ -88,4 +134,4 @@ if __name__ == "__mp_main__":  # a spawned child, before its target is unpickled
     setattr(importlib.import_module(RUNTIME), "launch_dp_worker", probe)
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(finder_ahead() if sys.argv[1:] == ["--finder-ahead"] else main(sys.argv[1:]))

@@ -31,9 +31,10 @@ def require_sglang() -> None:
 
 @contextlib.contextmanager
 def unpinned_controller(
-    store: EmbeddingStore, dims: dict[str, int], dtype: torch.dtype, pool_mib: float = 8.0
+    store: EmbeddingStore, dims: dict[str, int], dtype: torch.dtype, pool_mib: float = 8.0, *, pinned: bool = False
 ) -> Iterator[EmbeddingCacheController]:
-    """SGLang's own `EmbeddingCacheController` with its pools in pageable memory.
+    """SGLang's own `EmbeddingCacheController` with its pools in pageable memory (pinned, as
+    SGLang makes them, with `pinned`: that needs an NVIDIA driver).
 
     Pinning host memory needs an NVIDIA driver; everything else (pages, the I/O thread,
     the LRU, the store calls) is SGLang's code. Stops the I/O thread on exit.
@@ -47,7 +48,7 @@ def unpinned_controller(
 
     class UnpinnedController(EmbeddingCacheController):
         def _create_pools(self, pin_memory: bool) -> tuple[EmbeddingPool, EmbeddingPool]:
-            return super()._create_pools(pin_memory=False)
+            return super()._create_pools(pin_memory=pinned)
 
     hidden = {Modality[name.upper()]: dim for name, dim in dims.items()}
     with get_parallel().override(tp_size=1, tp_rank=0, tp_group=SimpleNamespace(cpu_group=None)):

@@ -144,3 +144,19 @@ def test_close_drops_what_it_cannot_finish_and_refuses_more() -> None:
 def test_budget_is_checked(budget: object, error: type[Exception]) -> None:
     with pytest.raises(error):
         BackgroundSaver(MemoryCache(1 << 20), budget)  # type: ignore[arg-type]
+
+
+def test_a_view_counts_the_storage_it_pins_and_stored_keys_are_skipped() -> None:
+    cache = GatedCache()  # writes wait until the gate opens
+    saver = BackgroundSaver(cache, 4096)
+    whole = torch.zeros(64, 16)  # 4 KiB of storage
+    assert saver.submit(key("view"), whole[:1])  # 64 B of data that pins all 4 KiB
+    assert not saver.submit(key("other"), torch.zeros(1, 16))  # so the budget is full
+    cache.gate.set()
+    assert saver.flush(10)
+    assert saver.submit(key("view"), whole[:1].clone())  # already stored: not written again
+    assert saver.flush(10)
+    counts = saver.counts()
+    assert (counts.saved, counts.skipped, counts.dropped) == (1, 1, 1)
+    assert cache.batches == [1]  # the second save made no write call
+    assert saver.close(5)

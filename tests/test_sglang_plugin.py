@@ -29,7 +29,8 @@ import sglang.srt.plugins as plugins  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory  # noqa: E402
 
 import mmkey.integrations._sglang_ranks as ranks  # noqa: E402
-from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore  # noqa: E402
+import mmkey.integrations.sglang as integration  # noqa: E402
+from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore, SGLangConfigError  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
 SGLANG_MOONCAKE = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_embedding_store"
@@ -45,9 +46,15 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
         if target.module in sys.modules and hasattr(sys.modules[target.module], target.name):
             monkeypatch.setattr(sys.modules[target.module], target.name, getattr(sys.modules[target.module], target.name))
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    monkeypatch.setattr(integration, "_plugin_errors", None)
+    monkeypatch.setattr(ranks, "_problems", {})
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("MMKEY_SGLANG_HASH", raising=False)
     monkeypatch.setenv("MMKEY_NAMESPACE", "plugin-model")
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:1")  # never reached: construction refuses first
     yield monkeypatch
 
 
@@ -90,23 +97,57 @@ def test_switch_makes_the_mooncake_backend_name_create_mmkeys_store(
         store.close()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("switch", "namespace", "message"), [("yes", "m", BACKEND_ENV), ("1", "", "MMKEY_NAMESPACE")])
-def test_a_bad_switch_or_missing_namespace_is_logged_and_sglang_keeps_its_backend(
-    fresh_loader: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, switch: str, namespace: str, message: str
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (BACKEND_ENV, "false", f"{BACKEND_ENV}='false' is not a value mmkey reads as on"),
+        (BACKEND_ENV, " 0", "set MMKEY_SGLANG_BACKEND=1"),
+        ("MMKEY_NAMESPACE", "", "MMKEY_NAMESPACE is not set"),
+        ("MMKEY_SGLANG_HASH", "sha256", "MMKEY_SGLANG_HASH=blake3"),
+        ("MOONCAKE_MASTER", "", "set MOONCAKE_MASTER=host:port"),
+        ("MOONCAKE_PROTOCOL", "carrier-pigeon", "protocol must be one of"),
+    ],
+)
+def test_once_opted_in_a_configuration_error_makes_the_encoder_refuse_to_start(
+    fresh_loader: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, variable: str, value: str, message: str
 ) -> None:
-    fresh_loader.setenv(BACKEND_ENV, switch)
-    fresh_loader.setenv("MMKEY_NAMESPACE", namespace)
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    fresh_loader.setenv(variable, value)
     with caplog.at_level(logging.ERROR):
         plugins.load_plugins()
-    assert module_of("mooncake") == SGLANG_MOONCAKE
-    assert "Failed to execute general plugin: mmkey" in caplog.text
-    assert message in caplog.text
+    assert "Failed to execute general plugin" not in caplog.text
+    assert message in caplog.text  # said at ERROR when the plugin loads
+    assert module_of("mooncake") == "mmkey.integrations.sglang"  # never SGLang's unverified backend
+    with pytest.raises(SGLangConfigError, match="refuses to start") as refused:
+        EmbeddingStoreFactory.create_backend("mooncake")  # what the encode server calls
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.24", "0.6.0", "unknown"])
+def test_an_sglang_version_outside_the_tested_range_refuses_to_start(
+    fresh_loader: pytest.MonkeyPatch, version: str
+) -> None:
+    import sglang
+
+    fresh_loader.setattr(sglang, "__version__", version)
+    fresh_loader.setenv(BACKEND_ENV, "yes")
+    plugins.load_plugins()
+    assert module_of("mooncake") == "mmkey.integrations.sglang"
+    with pytest.raises(SGLangConfigError, match=f"SGLang {version} is outside .* install sglang==0.5.23"):
+        EmbeddingStoreFactory.create_backend("mooncake")
+
+
+def test_the_tested_version_is_the_installed_one() -> None:
+    import sglang
+
+    from mmkey.integrations._sglang_settings import check_sglang_version
+
+    check_sglang_version(sglang.__version__)  # the environment tests the version the extra allows
 
 
 # -- the encoder processes SGLang spawns (TP ranks above 0, DP workers) -----------------------
 
 PROBE = Path(__file__).with_name("sglang_spawn_probe.py")
-SPAWN_LABELS = ("runtime.launch_encoder", "grpc_server.launch_encoder", "runtime.launch_dp_worker")
 
 
 @pytest.fixture
@@ -162,23 +203,52 @@ def test_switch_off_leaves_sglangs_spawn_targets_alone(
         assert mmkey_finders() == []
 
 
-def test_a_missing_spawn_target_is_skipped_and_the_rest_still_covered(
+def test_a_missing_spawn_target_is_said_at_error_and_the_encoder_refuses_to_start(
     fresh_loader: pytest.MonkeyPatch,
     encoder_modules: tuple[ModuleType, ModuleType, ModuleType],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     _, runtime, grpc_server = encoder_modules
-    fresh_loader.delattr(runtime, "launch_dp_worker")  # as in an SGLang without DP workers
+    fresh_loader.delattr(runtime, "launch_dp_worker")  # as in an SGLang that renamed it
     fresh_loader.setattr(grpc_server, "launch_encoder", None)
     fresh_loader.setenv(BACKEND_ENV, "1")
-    with caplog.at_level(logging.DEBUG, logger=ranks.__name__):
+    with caplog.at_level(logging.ERROR, logger=ranks.__name__):
         plugins.load_plugins()
-    assert "Failed to execute general plugin" not in caplog.text
     assert f"{ranks.RUNTIME_MODULE} has no function launch_dp_worker" in caplog.text
     assert f"{ranks.GRPC_MODULE} has no function launch_encoder" in caplog.text
-    assert not hasattr(runtime, "launch_dp_worker") and grpc_server.launch_encoder is None
-    assert runtime.launch_encoder is ranks.launch_encoder
+    assert runtime.launch_encoder is ranks.launch_encoder  # the rest is still covered
     assert module_of("mooncake") == "mmkey.integrations.sglang"
+    with pytest.raises(SGLangConfigError, match="has no function launch_dp_worker"):
+        EmbeddingStoreFactory.create_backend("mooncake")
+
+
+def test_an_sglang_that_loads_plugins_in_its_spawn_targets_is_not_patched(
+    fresh_loader: pytest.MonkeyPatch, encoder_modules: tuple[ModuleType, ModuleType, ModuleType]
+) -> None:
+    _, runtime, _ = encoder_modules
+
+    def launch_dp_worker(*args: object) -> None:  # what patches/sglang-0.5.23-load-plugins.patch makes
+        plugins.load_plugins()
+
+    fresh_loader.setattr(runtime, "launch_dp_worker", launch_dp_worker)
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    plugins.load_plugins()
+    assert runtime.launch_dp_worker is launch_dp_worker
+    assert runtime.launch_encoder is ranks.launch_encoder
+    assert integration.plugin_errors() == []
+
+
+def test_a_spawning_module_loaded_past_mmkeys_finder_is_detected(
+    fresh_loader: pytest.MonkeyPatch, encoder_modules: tuple[ModuleType, ModuleType, ModuleType]
+) -> None:
+    _, runtime, _ = encoder_modules
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    plugins.load_plugins()
+    assert integration.plugin_errors() == []
+    # what a finder ahead of mmkey's leaves behind: the module as SGLang wrote it
+    fresh_loader.setattr(runtime, "launch_encoder", ranks.original_of(ranks.SERVER_MODULE, "launch_encoder"))
+    with pytest.raises(SGLangConfigError, match="imported without mmkey's patch of launch_encoder"):
+        EmbeddingStoreFactory.create_backend("mooncake")
 
 
 def run_probe(labels: tuple[str, ...], env: dict[str, str], timeout: float = 400.0) -> dict[str, Any]:
@@ -202,29 +272,170 @@ def run_probe(labels: tuple[str, ...], env: dict[str, str], timeout: float = 400
     return result
 
 
-def probe_env(switch: str, master: MasterProcess) -> dict[str, str]:
+def probe_env(switch: str, master: MasterProcess, **more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", BACKEND_ENV)}
     env.update({BACKEND_ENV: switch, "MMKEY_NAMESPACE": "spawned-model", "PYTHONPATH": os.pathsep.join(sys.path)})
     env.update(MOONCAKE_MASTER=master.address, MOONCAKE_GLOBAL_SEGMENT_SIZE="16MB", MOONCAKE_LOCAL_BUFFER_SIZE="16MB")
+    env.update(MOONCAKE_PROTOCOL="tcp", **more)
     return env
 
 
-def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store(mooncake_master_session: MasterProcess) -> None:
+def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store_or_refuse(mooncake_master_session: MasterProcess) -> None:
     # server.launch_encoder is SGLang's own entry point, spawned directly as without the plugin:
-    # the control that shows the probe sees SGLang's store where mmkey's is not registered
-    result = run_probe((*SPAWN_LABELS, "server.launch_encoder"), probe_env("1", mooncake_master_session))
-    ours = {"runtime.launch_dp_worker": "launch_dp_worker"}
+    # the control that shows the probe sees SGLang's store where mmkey's is not registered.
+    # A gRPC TP rank and a DP worker are started without MMKEY_NAMESPACE: they refuse to start.
+    built = ("runtime.launch_encoder", "runtime.launch_dp_worker")
+    refused = ("no-namespace:grpc_server.launch_encoder", "no-namespace:runtime.launch_dp_worker")
+    result = run_probe((*built, *refused, "server.launch_encoder"), probe_env("1", mooncake_master_session))
     assert result["targets"] == {
-        **{label: f"{ranks.__name__}.{ours.get(label, 'launch_encoder')}" for label in SPAWN_LABELS},
+        "runtime.launch_encoder": f"{ranks.__name__}.launch_encoder",
+        "runtime.launch_dp_worker": f"{ranks.__name__}.launch_dp_worker",
+        refused[0]: f"{ranks.__name__}.launch_encoder",
+        refused[1]: f"{ranks.__name__}.launch_dp_worker",
         "server.launch_encoder": f"{ranks.SERVER_MODULE}.launch_encoder",
     }
     reports = {r["label"]: r for r in result["reports"]}
     assert sorted(reports) == sorted(result["targets"])
-    for label in SPAWN_LABELS:
+    for label in (*built, *refused):
         assert reports[label]["mooncake"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
+        assert reports[label]["args"] == 2  # SGLang's arguments reach its entry point unchanged
+    for label in built:
         assert reports[label]["created"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
         assert reports[label]["namespace"] == "spawned-model"
-        assert reports[label]["args"] == 2  # SGLang's arguments reach its entry point unchanged
+    for label in refused:
+        assert "created" not in reports[label]
+        assert "MMKEY_NAMESPACE is not set" in reports[label]["refused"]
     assert reports["server.launch_encoder"]["mooncake"] == f"{SGLANG_MOONCAKE}.MooncakeEmbeddingStore"
     assert "created" not in reports["server.launch_encoder"]
-    assert result["exitcodes"] == [0, 0, 0, 0]
+    assert result["exitcodes"] == [0] * 5
+
+
+def test_a_launcher_whose_spawning_module_passed_a_finder_ahead_of_mmkeys_refuses_to_start(
+    mooncake_master_session: MasterProcess,
+) -> None:
+    result = run_probe(("--finder-ahead",), probe_env("1", mooncake_master_session))
+    assert "imported without mmkey's patch of launch_encoder" in result["launcher"]["refused"]
+    assert "Bypass" in result["launcher"]["refused"]  # the finder ahead is named
+
+
+def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugins(tmp_path: Path) -> None:
+    import shutil
+    import types
+
+    import sglang
+
+    patch_file = Path(__file__).parents[1] / "patches" / "sglang-0.5.23-load-plugins.patch"
+    if shutil.which("patch") is None:
+        pytest.skip("needs the patch program")
+    site = Path(sglang.__file__).parents[1]
+    files = {ranks.SERVER_MODULE: "launch_encoder", ranks.RUNTIME_MODULE: "launch_dp_worker"}
+    for module in files:
+        relative = Path(*module.split(".")).with_suffix(".py")
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(site / relative, tmp_path / relative)
+    done = subprocess.run(["patch", "-p1", "-d", str(tmp_path), "-i", str(patch_file)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for module, name in files.items():
+        relative = Path(*module.split(".")).with_suffix(".py")
+        code = compile((tmp_path / relative).read_text(), str(relative), "exec")
+        function = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
+        assert ranks.loads_plugins_itself(types.FunctionType(function, {}))
+        original = getattr(importlib.import_module(module), name)
+        assert not ranks.loads_plugins_itself(ranks.original_of(module, name) if original.__module__.startswith("mmkey") else original)
+
+
+# -- MMKEY_SGLANG_HASH=blake3: 128-bit feature hashes through SGLang's hook registry ----------
+
+
+@pytest.fixture
+def blake3_plugin(fresh_loader: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """The plugin loaded with ``MMKEY_SGLANG_HASH=blake3``; SGLang's hook registry and the
+    hooked functions restored afterwards."""
+    from collections import defaultdict
+
+    import sglang.srt.managers.mm_utils as mm_utils
+    from sglang.srt.disaggregation.encoder.server import MMEncoder
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import mmkey.integrations._sglang_hash as hashing
+
+    fresh_loader.setattr(HookRegistry, "_hooks", defaultdict(list))
+    fresh_loader.setattr(HookRegistry, "_patched", set())
+    fresh_loader.setattr(hashing, "_installed", False)
+    fresh_loader.setattr(mm_utils, "tensor_hash", mm_utils.tensor_hash)
+    fresh_loader.setattr(MMEncoder, "_calculate_hashes_from_features", MMEncoder._calculate_hashes_from_features)
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    fresh_loader.setenv("MMKEY_SGLANG_HASH", "blake3")
+    plugins.load_plugins()
+    assert integration.plugin_errors() == []
+    yield fresh_loader
+
+
+def encoder_hashes(feature: Any, patches: list[int]) -> list[int]:
+    """The encode server's own ``_calculate_hashes_from_features`` for a batch of images of
+    `patches` rows each (its preprocessor stood in for: it only counts patches)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.encoder.server import MMEncoder
+    from sglang.srt.multimodal.modality import Modality as SGLangModality
+
+    counts = iter(patches)
+    encoder = SimpleNamespace(preprocessor=SimpleNamespace(get_num_patches=lambda grid, modality: next(counts)))
+    hashes: list[int] = MMEncoder._calculate_hashes_from_features(encoder, feature, patches, SGLangModality.IMAGE)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    return hashes
+
+
+def test_blake3_makes_sglangs_feature_hashes_128_bit(blake3_plugin: pytest.MonkeyPatch) -> None:
+    import torch
+    from sglang.srt.managers import mm_utils
+
+    from mmkey import HashScheme, hash_tensor
+
+    features = [torch.randn(16, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    hashed = [mm_utils.hash_feature(f) for f in features]  # how SGLang hashes an item's feature
+    assert hashed == [int(hash_tensor(f, HashScheme.BLAKE3)) for f in features]
+    assert max(hashed) >= 2**64  # 128 bits wide (8 draws below 2**64 by chance: 2**-512)
+    # the encoder's hashes keep all 128 bits, although SGLang's item keeps only 64 of them
+    batch = torch.cat(features[:3])
+    assert encoder_hashes(batch, [16, 16, 16]) == hashed[:3]
+
+
+def test_without_the_switch_sglang_keeps_its_64_bit_hash(fresh_loader: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from mmkey import HashScheme, hash_tensor
+
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    plugins.load_plugins()
+    feature = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    [value] = encoder_hashes(feature, [6])
+    assert value == int(hash_tensor(feature, HashScheme.SGLANG))  # SGLang's SHA-256, 64 bits
+
+
+def test_features_that_collide_under_sglangs_64_bit_hash_get_different_keys(
+    blake3_plugin: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from mmkey import HashScheme, Modality, hash_tensor
+    from mmkey.integrations._sglang_keys import sglang_key
+
+    pixels = torch.randn(24, 16, generator=torch.Generator().manual_seed(5))
+    # the same bytes as 24 patches of 16 and as 16 patches of 24 (another image size), or
+    # read as int32: SGLang's hash sees only the bytes, so all three collide in all 64 bits
+    a, b, c = pixels, pixels.reshape(16, 24), pixels.view(torch.int32)
+    assert len({int(hash_tensor(t, HashScheme.SGLANG)) for t in (a, b, c)}) == 1
+    hashes = [encoder_hashes(t, [t.shape[0]])[0] for t in (a, b, c)]
+    keys = {sglang_key("m", Modality.IMAGE, str(h), HashScheme.BLAKE3).to_key() for h in hashes}
+    assert len(keys) == 3
+    assert all("@blake3@" in key for key in keys)
+
+
+def test_blake3_without_the_plugin_refuses_to_start(fresh_loader: pytest.MonkeyPatch) -> None:
+    import mmkey.integrations._sglang_hash as hashing
+
+    fresh_loader.setattr(hashing, "_installed", False)
+    fresh_loader.setenv("MMKEY_SGLANG_HASH", "blake3")
+    EmbeddingStoreFactory.register_backend("mmkey", "mmkey.integrations.sglang", "MMKeyEmbeddingStore")
+    with pytest.raises(SGLangConfigError, match="set MMKEY_SGLANG_BACKEND=1 instead"):
+        EmbeddingStoreFactory.create_backend("mmkey")

@@ -14,6 +14,8 @@ from mmkey.integrations._vllm_settings import (
     EXTRA_CONFIG_KEYS,
     ConnectorSettings,
     StoreKind,
+    check_identifiers_are_content_hashes,
+    content_digest,
     identifier_key,
     identifier_keys,
     modality_of,
@@ -152,3 +154,111 @@ def test_mooncake_config_from_env_then_extra_config(tmp_path: Path) -> None:
     assert explicit.mooncake_config(pure_client=False, environ=env).master_server_address == "127.0.0.1:7000"
     with pytest.raises(ValueError, match="MOONCAKE_MASTER.*store"):
         ConnectorSettings().mooncake_config(pure_client=False, environ={})
+
+
+def test_counter_identifiers_and_tower_lora_are_refused_naming_the_settings() -> None:
+    with pytest.raises(ValueError, match="mm_processor_cache_gb > 0.*enable-prefix-caching"):
+        check_identifiers_are_content_hashes(
+            processor_cache_gb=0, prefix_caching=False, tower_lora=False, explicit_namespace=False
+        )
+    with pytest.raises(ValueError, match="enable_tower_connector_lora.*namespace"):
+        check_identifiers_are_content_hashes(
+            processor_cache_gb=4, prefix_caching=True, tower_lora=True, explicit_namespace=False
+        )
+    for cache_gb, prefix in [(4, False), (0, True), (4, True)]:
+        check_identifiers_are_content_hashes(
+            processor_cache_gb=cache_gb, prefix_caching=prefix, tower_lora=False, explicit_namespace=False
+        )
+    check_identifiers_are_content_hashes(
+        processor_cache_gb=4, prefix_caching=True, tower_lora=True, explicit_namespace=True
+    )
+
+
+def test_content_digests_cover_field_names_dtypes_shapes_and_bytes() -> None:
+    import torch
+
+    pixels = torch.arange(48, dtype=torch.float32).reshape(3, 4, 4)
+    base = content_digest({"pixel_values": pixels})
+    assert base is not None
+    assert base == content_digest({"pixel_values": pixels.clone()})
+    assert base == content_digest({"pixel_values": pixels.transpose(1, 2).contiguous().transpose(1, 2)})
+    changed = pixels.clone()
+    changed[0, 0, 0] += 1
+    others = [
+        content_digest({"pixel_values": changed}),
+        content_digest({"pixel_values": pixels.to(torch.float64)}),
+        content_digest({"pixel_values": pixels.reshape(3, 16)}),
+        content_digest({"pixel_value": pixels}),
+        content_digest({"pixel_values": pixels, "image_grid_thw": torch.tensor([1, 2, 2])}),
+        content_digest({"pixel_values": [pixels]}),
+    ]
+    assert len({base, *others}) == len(others) + 1
+    # a field vLLM left out (None) or anything not a tensor: no digest, the identifier is used
+    assert content_digest({"pixel_values": None}) is None
+    assert content_digest({"pixel_values": [pixels, "text"]}) is None
+    assert content_digest({}) is None
+
+
+def write_checkpoint(root: Path, tensors: dict[str, bytes], *, config: dict[str, object] | None = None,
+                     preprocessor: dict[str, object] | None = None) -> Path:
+    """A minimal local checkpoint: config.json, preprocessor_config.json, one safetensors file."""
+    import struct
+
+    root.mkdir(parents=True, exist_ok=True)
+    header: dict[str, object] = {}
+    offset = 0
+    for name, data in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    head = json.dumps(header).encode()
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"".join(tensors.values()))
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "_name_or_path": str(root), "hidden": 8}
+    (root / "config.json").write_text(json.dumps(config if config is not None else cfg))
+    (root / "preprocessor_config.json").write_text(json.dumps(preprocessor or {"size": 336}))
+    return root
+
+
+def test_a_checkpoint_is_named_by_what_it_is_not_where_it_lies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmkey.integrations._vllm_identity import checkpoint_identity
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    weights = {"vision_tower.patch.weight": b"\x01" * 64, "language_model.embed.weight": b"\x02" * 64}
+    here = checkpoint_identity(write_checkpoint(tmp_path / "a" / "llava", weights))
+    assert here is not None
+    # the same checkpoint at another path (its config even names the other path)
+    assert checkpoint_identity(write_checkpoint(tmp_path / "elsewhere" / "copy", weights)) == here
+    # the language model is not the vision side: fine-tuning it keeps the entries
+    lm_tuned = dict(weights, **{"language_model.embed.weight": b"\x03" * 64})
+    assert checkpoint_identity(write_checkpoint(tmp_path / "lm", lm_tuned)) == here
+    others = [
+        checkpoint_identity(write_checkpoint(tmp_path / "v", dict(weights, **{"vision_tower.patch.weight": b"\x01" * 63 + b"\x00"}))),
+        checkpoint_identity(write_checkpoint(tmp_path / "p", weights, preprocessor={"size": 448})),
+        checkpoint_identity(write_checkpoint(tmp_path / "c", weights, config={"architectures": ["LlavaForConditionalGeneration"], "hidden": 16})),
+    ]
+    assert None not in others and len({here, *others}) == 4
+    assert checkpoint_identity(tmp_path / "no-such-dir") is None  # a hub name: the caller decides
+    assert (tmp_path / "cache" / "mmkey" / "vllm-weights.json").is_file()  # remembered
+
+
+def test_remembered_weight_digests_follow_the_files_size_and_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from mmkey.integrations import _vllm_identity
+    from mmkey.integrations._vllm_identity import weights_digest
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = write_checkpoint(tmp_path / "m", {"visual.w": b"\x05" * 32})
+    path = root / "model.safetensors"
+    first = weights_digest(path)
+    reads: list[Path] = []
+    real = _vllm_identity._hash_file
+
+    def counted(p: Path) -> str:
+        reads.append(p)
+        return real(p)
+
+    monkeypatch.setattr(_vllm_identity, "_hash_file", counted)
+    assert weights_digest(path) == first and reads == []  # remembered: not read again
+    write_checkpoint(root, {"visual.w": b"\x06" * 32})
+    os.utime(path, ns=(1, 1))
+    assert weights_digest(path) != first and reads == [path]  # changed: read again

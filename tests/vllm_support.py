@@ -130,32 +130,67 @@ def vllm_worker_agent(config: VllmConfig) -> Iterator[MMKeyECConnector]:
         ensure_ec_transfer_shutdown()
 
 
-def request(request_id: str, items: Sequence[tuple[str, str, int]]) -> Request:
-    """A vLLM `Request` whose features are (identifier, modality, embeddings) in prompt order."""
+def request(
+    request_id: str,
+    items: Sequence[tuple[str, str, int]],
+    *,
+    data: Mapping[str, torch.Tensor] | None = None,
+    ec_transfer_params: dict[str, Any] | None = None,
+) -> Request:
+    """A vLLM `Request` whose features are (identifier, modality, embeddings) in prompt order.
+
+    `data`: processed inputs by identifier (vLLM's `MultiModalKwargsItem` of one field,
+    ``pixel_values``), as a scheduler sees them; without, the features carry no data.
+    """
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
+
+    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
+
+    def item(identifier: str) -> Any:
+        if data is None or identifier not in data:
+            return None
+        elem = MultiModalFieldElem(data=data[identifier], field=MultiModalSharedField(batch_size=1))
+        return MultiModalKwargsItem({"pixel_values": elem})
 
     features = []
     offset = 1
     for identifier, modality, length in items:
         features.append(
             MultiModalFeatureSpec(
-                data=None,
+                data=item(identifier),
                 modality=modality,
                 identifier=identifier,
                 mm_position=PlaceholderRange(offset=offset, length=length),
             )
         )
         offset += length + 1
-    return Request(request_id, [0] * (offset + 1), SamplingParams(max_tokens=1), None, mm_features=features)
+    made = Request(request_id, [0] * (offset + 1), SamplingParams(max_tokens=1), None, mm_features=features)
+    made.ec_transfer_params = ec_transfer_params
+    return made
+
+
+def until_available(scheduler: MMKeyECConnector, req: Request, num_computed_tokens: int = 0) -> int:
+    """Call `ensure_cache_available` as vLLM does, once a step, until it says yes; the number
+    of calls that deferred the request (bounded: a hang fails the test)."""
+    import time
+
+    deferred = 0
+    stop = time.monotonic() + BOUND + 10.0
+    while not scheduler.ensure_cache_available(req, num_computed_tokens):
+        deferred += 1
+        assert time.monotonic() < stop, "ensure_cache_available deferred the request without end"
+        time.sleep(0.002)
+    return deferred
 
 
 def schedule(scheduler: MMKeyECConnector, requests: Sequence[Request]) -> tuple[MMKeyECMetadata, list[str]]:
     """Stand-in for one `Scheduler.schedule()`: the connector calls in vLLM's order.
 
-    Per request `ensure_cache_available`, then per item `has_cache_item` and, for hits and
-    items to encode alike, `update_state_after_alloc`; finally `build_connector_meta`.
+    Per request `ensure_cache_available` (again, as vLLM does on later steps, until it says
+    yes), then per item `has_cache_item` and, for hits and items to encode alike,
+    `update_state_after_alloc`; finally `build_connector_meta`, and each request finishes.
     Returns the metadata and the identifiers the connector claimed.
     """
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -164,13 +199,15 @@ def schedule(scheduler: MMKeyECConnector, requests: Sequence[Request]) -> tuple[
 
     hits: list[str] = []
     for req in requests:
-        assert scheduler.ensure_cache_available(req, 0)
+        until_available(scheduler, req)
         for index, feature in enumerate(req.mm_features):
             if scheduler.has_cache_item(feature.identifier):
                 hits.append(feature.identifier)
             scheduler.update_state_after_alloc(req, index)
     meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
     assert isinstance(meta, MMKeyECMetadata)
+    for req in requests:  # one-step requests: each finishes after its step
+        scheduler.request_finished(req)
     return meta, hits
 
 

@@ -9,6 +9,7 @@ accepts exactly what `EmbeddingKey.to_key` writes and nothing else.
 from __future__ import annotations
 
 import functools
+import operator
 import re
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -256,6 +257,18 @@ def _explain_mismatch(text: str) -> str:
             "and %XX with upper-case hex"
         )
     return f"not a v1 key: {shown!r}: {why}"
+
+
+_cached_text = operator.attrgetter("_text")
+
+
+def embedding_key_texts(items: list[object] | tuple[object, ...]) -> list[str] | None:
+    """The key text of each item, read from the text each key cached when it was built,
+    when every item is exactly an `EmbeddingKey` (checked once for the batch); ``None``
+    otherwise (the caller checks each key then)."""
+    if set(map(type, items)) != {EmbeddingKey}:
+        return None
+    return list(map(_cached_text, items))
 
 
 def key_text(key: object) -> str:

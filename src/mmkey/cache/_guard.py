@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mmkey.cache.protocol import EmbeddingCache
-from mmkey.keys import CacheKey, EmbeddingKey, key_text
+from mmkey.keys import CacheKey, EmbeddingKey, embedding_key_texts, key_text
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +47,10 @@ def key_texts(keys: Sequence[CacheKey], method: str) -> list[str]:
     instead of a sequence), and `InvalidKey` for a foreign ``to_key()`` outside the key
     alphabet. `method` names the caller in messages.
     """
+    if type(keys) is list or type(keys) is tuple:
+        texts = embedding_key_texts(keys)  # a batch of EmbeddingKey only: one type check
+        if texts is not None:
+            return texts
     items = _as_list(keys, "CacheKey objects", method)
     # EmbeddingKey checked its text when it was built: skip the generic checks for it
     return [key.to_key() if type(key) is EmbeddingKey else key_text(key) for key in items]
@@ -69,6 +73,8 @@ def insert_args(
             f"{method}() got {len(texts)} keys and {len(tensors)} embeddings; "
             "pass exactly one embedding per key"
         )
+    if set(map(type, tensors)) <= {torch.Tensor}:  # plain tensors only: one check per batch
+        return texts, tensors  # type: ignore[return-value]  # every item is a torch.Tensor
     checked: list[torch.Tensor] = []
     for i, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):

@@ -4,9 +4,11 @@ Every binding call runs on a worker thread (a lane) and the caller waits at most
 call's give-up time. Metadata calls (``batch_is_exist``, replica lookups, set-up) run on
 their own lane; transfers run on a small pool of lanes, each with its own registered staging
 buffer, so a transfer stuck on a hung holder never holds up a lookup or a transfer from
-another holder. The binding serves overlapping calls from several threads (measured; the
-fleet tests run them). The breaker is about the master: it opens when a metadata call fails
-or times out. A transfer that fails or times out quarantines the holder it went to instead.
+another holder. Every lane's staging buffer is allocated (faulted in) and registered at
+set-up, within ``setup_deadline``, so no call pays for it. The binding serves overlapping
+calls from several threads (measured; the fleet tests run them). The breaker is about the
+master: it opens when a metadata call fails or times out. A transfer that fails or times
+out quarantines the holder it went to instead.
 
 Mooncake's ``setup()`` and ``close()`` hold the GIL, so while they run every thread of the
 process stops; neither is called unless the master has just answered a request on its RPC
@@ -23,7 +25,6 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import attrs
@@ -32,7 +33,7 @@ from mmkey._net import parse_host_port
 from mmkey.cache._master_ping import master_answers
 from mmkey.cache._mooncake_staging import ReadSlots, Staging
 from mmkey.cache._quarantine import Quarantine
-from mmkey.cache._runner import Breaker, CallTimeout, DeadlineRunner
+from mmkey.cache._runner import Breaker, Call, CallTimeout, DeadlineRunner
 from mmkey.cache.mooncake_config import MooncakeConfig
 from mmkey.errors import StoreClosed, StoreError
 
@@ -124,7 +125,7 @@ class Pending(Generic[T]):
     """A transfer submitted to a lane; wait for it with `StoreTransport.finish`."""
 
     lane: Lane
-    future: Future[T]
+    future: Call[T]
 
 
 class StoreTransport:
@@ -320,7 +321,7 @@ class StoreTransport:
         """Run `fn` (does `endpoint` answer again?) on the probe lane, without waiting."""
         future = self._prober.submit(functools.partial(self._run, fn))
 
-        def done(f: Future[bool]) -> None:
+        def done(f: Call[bool]) -> None:
             healthy = not f.cancelled() and f.exception() is None and f.result()
             self.quarantine.probed(endpoint, healthy=bool(healthy))
 
@@ -392,6 +393,15 @@ class StoreTransport:
             raise StoreClosed("store closed")
         return fn(store, staging)
 
+    def _prepare_staging(self, store: MooncakeDistributedStore) -> bool:
+        """Allocate (faulted in) and register every lane's staging buffer; whether all are."""
+        try:
+            for lane in self.lanes:
+                lane.staging.prepare(store)
+        except (StoreError, OSError, MemoryError, RuntimeError):
+            return False
+        return True
+
     def _setup_on_lane(self, give_up: float) -> bool:
         if self._closed:
             return False
@@ -404,7 +414,9 @@ class StoreTransport:
         if store.setup(*self._config.setup_args(), tenant_id=self._config.tenant_id) != 0:
             store.close()  # measured safe and quick on a store whose setup failed
             return False
-        if not self.register_regions(store):
+        if not self.register_regions(store) or not self._prepare_staging(store):
+            for lane in self.lanes:
+                lane.staging.unregister(store)
             store.close()
             self._registered.clear()
             return False

@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING
 
 from mmkey._tensors import host_ready
 from mmkey.cache._guard import insert_args, key_texts
-from mmkey.cache._mooncake_staging import Staging, aligned
+from mmkey.cache._mooncake_staging import Staging, aligned, stage_entry
 from mmkey.cache._mooncake_transport import Lane, Pending, StoreTransport, TransferFailed
 from mmkey.cache._runner import CallTimeout
 from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.cache.health import CacheHealth
 from mmkey.cache.codec import (
+    encode_entry,
     encode_entry_into,
     entry_header,
     entry_size,
@@ -255,7 +256,16 @@ class MooncakeCache:
         self._replicas: ReplicateConfig | None = None  # made on first write
         self._grouped_until = 0.0  # reads look holders up until then (after a failure)
         self._told_untrusted = False
-        self._transport.connect(time.monotonic() + config.setup_deadline)
+        give_up = time.monotonic() + config.setup_deadline
+        self._warm_codec()
+        self._transport.connect(give_up)
+
+    def _warm_codec(self) -> None:
+        """Load what the first entry written needs (the codec's runtime, the MAC's hash) now,
+        at construction, rather than on the first call: on a busy host an import waits on disk."""
+        import torch
+
+        encode_entry("mmk1@warm-up@image@blake3@" + "0" * 32, torch.zeros(1), keyring=self._keyring)
 
     @property
     def config(self) -> MooncakeConfig:
@@ -328,10 +338,11 @@ class MooncakeCache:
 
         A key given twice in one batch stores its last embedding.
         """
+        give_up = self._give_up()  # the deadline counts from the call, checks included
         self._check_open()
         texts, tensors = insert_args(keys, embeddings)
         latest = dict(zip(texts, tensors))
-        stored = self._write(list(latest), list(latest.values()), self._give_up()) if latest else {}
+        stored = self._write(list(latest), list(latest.values()), give_up) if latest else {}
         self._counts.add(inserts=sum(stored.values()))
         return [stored.get(text, False) for text in texts]
 
@@ -831,19 +842,23 @@ class MooncakeCache:
                     raise StoreError("insert_batch stopped waiting; its tensors are not read")
                 encode_entry_into(target, text, tensor, keyring=keyring)
 
+        def stage(staging: Staging, at: int, size: int, text: str, tensor: torch.Tensor) -> None:
+            with reading:
+                if released.is_set():
+                    raise StoreError("insert_batch stopped waiting; its tensors are not read")
+                stage_entry(staging, at, size, text, tensor, keyring)
+
         def write(store: MooncakeDistributedStore, lane_staging: Staging) -> dict[str, bool]:
             ready.wait()  # the caller's kernels writing the tensors have finished
-            staging = lane_staging.view(store)
+            lane_staging.view(store)  # prepared at set-up; this only checks
             if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
                 raise TimeoutError("the staging buffer stayed busy past the call's deadline")
             try:
-                return fill_and_flush(store, staging, lane_staging.ptr)
+                return fill_and_flush(store, lane_staging)
             finally:
                 lane_staging.lease.release()
 
-        def fill_and_flush(
-            store: MooncakeDistributedStore, staging: memoryview, base: int
-        ) -> dict[str, bool]:
+        def fill_and_flush(store: MooncakeDistributedStore, staging: Staging) -> dict[str, bool]:
             stored: dict[str, bool] = {}
             batch: list[tuple[str, int, int]] = []  # key text, offset, size
             used = 0
@@ -854,12 +869,12 @@ class MooncakeCache:
                     continue
                 if used + size > staging.nbytes:
                     _out_of_time(give_up)
-                    stored.update(self._flush_on_worker(store, base, batch))
+                    stored.update(self._flush_on_worker(store, staging.ptr, batch))
                     batch, used = [], 0
-                encode(staging[used : used + size], text, t)
+                stage(staging, used, size, text, t)
                 batch.append((text, used, size))
                 used += aligned(size)
-            stored.update(self._flush_on_worker(store, base, batch))
+            stored.update(self._flush_on_worker(store, staging.ptr, batch))
             return stored
 
         try:
@@ -873,8 +888,12 @@ class MooncakeCache:
             outcome = self._transport.finish(self._transport.submit(lane, write), give_up)
             return {} if isinstance(outcome, BaseException) else outcome
         finally:
-            with reading:  # waits out an entry being encoded right now, if any
-                released.set()
+            # Flag first, then wait out the entry being staged right now, if any: a lane that
+            # re-takes `reading` entry after entry would otherwise keep a late caller waiting
+            # (the lock is not fair), well past its deadline on a busy host.
+            released.set()
+            with reading:
+                pass
 
     def _write_from(
         self, latest: dict[str, list[torch.Tensor]], give_up: float

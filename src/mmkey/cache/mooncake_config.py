@@ -17,7 +17,12 @@ __all__ = ["MooncakeConfig", "parse_size"]
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(kb|mb|gb|tb|k|m|g|t|b)?", re.ASCII | re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_PROTOCOLS = frozenset({"tcp", "rdma"})
+# the transports mooncake-transfer-engine 0.3.13 sets up for a store client (its
+# mooncake_config.py lists them; which work depends on the build and the hardware)
+_PROTOCOLS = frozenset(
+    {"tcp", "rdma", "efa", "nvmeof", "nvlink", "nvlink_intra", "musa", "hip", "barex", "cxl",
+     "ascend", "ub", "ubshmem", "maca", "sunrise_link"}
+)
 
 
 def parse_size(value: int | str, field: str = "size") -> int:
@@ -106,9 +111,11 @@ class MooncakeConfig:
     """Memory this client lends to the store; entries written anywhere may be placed in it,
     and they vanish when this client closes (0: a pure client that holds nothing)."""
     local_buffer_size: int = attrs.field(default=128 << 20, validator=_positive_size)
-    """Mooncake's transfer buffer for this client; `MooncakeCache` also sizes its registered
-    staging buffer from it (at most 256 MiB). Not a limit on entry size: larger entries
-    are written and read through a buffer of their own."""
+    """Mooncake's transfer buffer for this client. `MooncakeCache` also sizes each of its
+    transfer lanes' staging buffers from it (at most 256 MiB each, three lanes), allocated,
+    faulted in and registered at construction, so that memory is resident for the cache's
+    life. Not a limit on entry size: larger entries are written and read through a buffer
+    of their own, up to `max_entry_size` on reads."""
     tenant_id: str = attrs.field(default="default", validator=[_text, attrs.validators.min_len(1)])
     """Mooncake's tenant (``MOONCAKE_TENANT_ID``). Not an isolation boundary: with
     mooncake-transfer-engine 0.3.13.post1, a client of one tenant reads, overwrites and

@@ -35,6 +35,8 @@ class SaverCounts:
     """Entries the cache did not store (a store fault, a refused insert, an exception)."""
     dropped: int = 0
     """Saves refused at once: the pending budget was full, or the saver was closed."""
+    skipped: int = 0
+    """Saves not written because the cache already held the key (checked before writing)."""
     pending_bytes: int = 0
     """Bytes of tensors queued or being written now."""
 
@@ -46,6 +48,13 @@ class _Job:
     tensor: torch.Tensor
     nbytes: int
     ready: HostReady
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except Exception:  # tensors without storage (meta, some subclasses)
+        return 0
 
 
 class BackgroundSaver:
@@ -78,7 +87,7 @@ class BackgroundSaver:
         self._pending_bytes = 0
         self._busy = False
         self._closed = False
-        self._saved = self._failed = self._dropped = 0
+        self._saved = self._failed = self._dropped = self._skipped = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -88,7 +97,8 @@ class BackgroundSaver:
         A key already queued is not queued twice.
         """
         text = key.to_key()
-        nbytes = tensor.numel() * tensor.element_size()
+        # a view pins all of its storage until the save is written: that is what counts
+        nbytes = max(tensor.numel() * tensor.element_size(), _storage_bytes(tensor))
         ready = host_ready([tensor])
         with self._cond:
             if text in self._queued_texts:
@@ -105,7 +115,9 @@ class BackgroundSaver:
     def counts(self) -> SaverCounts:
         """A snapshot of this saver's counters."""
         with self._cond:
-            return SaverCounts(self._saved, self._failed, self._dropped, self._pending_bytes)
+            return SaverCounts(
+                self._saved, self._failed, self._dropped, self._skipped, self._pending_bytes
+            )
 
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds until every queued save has been written or failed."""
@@ -142,17 +154,35 @@ class BackgroundSaver:
                     return
                 batch, self._queue = self._queue, []
                 self._busy = True
+            batch, skipped = self._without_existing(batch)
             ok = sum(self._write(batch))
-            texts = [job.text for job in batch]
-            nbytes = sum(job.nbytes for job in batch)
-            batch.clear()  # release the tensors before anyone is told they are written
+            batch_texts = [job.text for job in batch]
+            texts = batch_texts + [job.text for job in skipped]
+            nbytes = sum(job.nbytes for job in batch) + sum(job.nbytes for job in skipped)
+            n_skipped = len(skipped)
+            batch.clear()
+            skipped.clear()  # release the tensors before anyone is told they are written
             with self._cond:
                 self._saved += ok
-                self._failed += len(texts) - ok
+                self._failed += len(batch_texts) - ok
+                self._skipped += n_skipped
                 self._queued_texts.difference_update(texts)
                 self._pending_bytes -= nbytes
                 self._busy = False
                 self._cond.notify_all()
+
+    def _without_existing(self, batch: list[_Job]) -> tuple[list[_Job], list[_Job]]:
+        """Split `batch` into (to write, already stored); a failed check writes them all."""
+        try:
+            present = self._cache.batch_is_exist([job.key for job in batch])
+        except Exception:
+            return batch, []
+        if len(present) != len(batch):
+            return batch, []
+        return (
+            [job for job, p in zip(batch, present) if not p],
+            [job for job, p in zip(batch, present) if p],
+        )
 
     def _write(self, batch: list[_Job]) -> list[bool]:
         """Write `batch` in `insert_batch` calls of at most `max_batch_bytes` (one entry at least),

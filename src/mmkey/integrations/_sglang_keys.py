@@ -1,11 +1,15 @@
-"""SGLang's multimodal hash text to `EmbeddingKey`: strict, injective, never truncating.
+"""SGLang's multimodal hash text to `EmbeddingKey`: every text maps, injectively, never truncated.
 
-SGLang hands its embedding store ``str(h)`` of an int hash: 64-bit values from its CPU
-``tensor_hash`` (mmkey's `HashScheme.SGLANG`, bit for bit), and wider ones elsewhere (a
-128-bit ``uuid4().int`` when hashing is skipped, hashes a caller supplied). Canonical
-decimal text below ``2**64`` keeps its value under `HashScheme.SGLANG`, so a fleet keeps
-its digests; wider text is an opaque identifier under `HashScheme.ID`. Any other text is
-`InvalidKey`: no sign, no leading zero, no white space, no ``_``, no non-ASCII digit.
+SGLang hands its embedding store ``str(h)`` of its hashes: 64-bit values from its CPU
+``tensor_hash`` (mmkey's `HashScheme.SGLANG`, bit for bit), wider ones elsewhere (a 128-bit
+``uuid4().int`` when hashing is skipped), and whatever a caller supplied as ``hashes``
+(any text). Canonical decimal below ``2**64`` keeps its value under `HashScheme.SGLANG`, so
+a fleet keeps its digests; with ``MMKEY_SGLANG_HASH=blake3`` SGLang's hashes are BLAKE3-128
+and canonical decimal below ``2**128`` keeps its value under `HashScheme.BLAKE3`. Every
+other text (wider decimal, a leading zero, a sign, hex, any caller's id) is an opaque
+identifier under `HashScheme.ID`: ``identifier_digest(text)``. Two different texts never share
+a key: a value keeps its own scheme, and identifiers are BLAKE3-128 of the whole text. Only
+empty text and text with lone surrogates are `InvalidKey`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import functools
 import re
 
 from mmkey.digest import HashScheme, MMHash, Modality
-from mmkey.errors import InvalidKey
 from mmkey.hashing import identifier_digest
 from mmkey.keys import EmbeddingKey
 
@@ -24,40 +27,40 @@ SGLANG_HASH_LIMIT = 1 << 64
 """Hash values below this are `HashScheme.SGLANG` digests; larger ones are identifiers."""
 
 _CANONICAL_DECIMAL = re.compile(r"0|[1-9][0-9]*", re.ASCII)
-_MAX_SGLANG_DIGITS = len(str(SGLANG_HASH_LIMIT - 1))  # 20
+_LIMITS = {HashScheme.SGLANG: SGLANG_HASH_LIMIT, HashScheme.BLAKE3: 1 << 128}
 
 
-def sglang_digest(text: str) -> tuple[HashScheme, MMHash]:
-    """The scheme and digest of one SGLang hash text; `InvalidKey` for non-canonical text.
+def sglang_digest(text: str, hashes: HashScheme = HashScheme.SGLANG) -> tuple[HashScheme, MMHash]:
+    """The scheme and digest of one SGLang hash text.
 
-    ``"0"`` .. ``"18446744073709551615"`` give `HashScheme.SGLANG` with that value; longer
-    canonical decimal gives `HashScheme.ID` with ``identifier_digest(text)``.
+    With `hashes` ``SGLANG`` (SGLang's own 64-bit hashes), ``"0"`` .. ``"18446744073709551615"``
+    give `HashScheme.SGLANG` with that value; with ``BLAKE3`` canonical decimal below
+    ``2**128`` gives `HashScheme.BLAKE3`. Any other text gives `HashScheme.ID` with
+    ``identifier_digest(text)``. `InvalidKey` for empty text, `TypeError` for non-text.
     """
     value: object = text
     if not isinstance(value, str):
         raise TypeError(
-            f"SGLang hashes reach the store as decimal text, got {type(value).__name__}; "
-            "pass str(h)"
+            f"SGLang hashes reach the store as text, got {type(value).__name__}; pass str(h)"
         )
-    if _CANONICAL_DECIMAL.fullmatch(text) is None:
-        shown = text if len(text) <= 60 else text[:57] + "..."
-        raise InvalidKey(
-            f"SGLang hash {shown!r} is not canonical decimal text (ASCII digits, no sign, "
-            "no leading zero, no white space or '_'); the store receives str(int_hash)"
-        )
-    if len(text) <= _MAX_SGLANG_DIGITS:
+    limit = _LIMITS.get(hashes)
+    if limit is None:
+        raise TypeError(f"hashes must be HashScheme.SGLANG or HashScheme.BLAKE3, got {hashes!r}")
+    if len(text) <= 40 and _CANONICAL_DECIMAL.fullmatch(text) is not None:
         number = int(text)
-        if number < SGLANG_HASH_LIMIT:
-            return HashScheme.SGLANG, MMHash(number)
+        if number < limit:
+            return hashes, MMHash(number)
     return HashScheme.ID, identifier_digest(text)
 
 
 @functools.lru_cache(maxsize=8192)
-def sglang_key(namespace: str, modality: Modality, text: str) -> EmbeddingKey:
+def sglang_key(
+    namespace: str, modality: Modality, text: str, hashes: HashScheme = HashScheme.SGLANG
+) -> EmbeddingKey:
     """The `EmbeddingKey` of SGLang hash text under `namespace` and `modality`.
 
     Remembers the last 8192 keys (keys are immutable): SGLang asks whether a hash exists,
     then fetches or stores it, so each key is built once.
     """
-    scheme, digest = sglang_digest(text)
+    scheme, digest = sglang_digest(text, hashes)
     return EmbeddingKey(namespace, modality, scheme, digest)

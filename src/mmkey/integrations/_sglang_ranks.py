@@ -14,8 +14,13 @@ and then SGLang's original entry point with the same arguments. SGLang's functio
 place where it is defined (``...encoder.server.launch_encoder``).
 
 The spawning modules are patched as soon as they are imported (a finder on ``sys.meta_path``
-wraps their loader), or at once if they already are. A name that is missing (another SGLang
-version) is skipped with a debug log; nothing here raises into SGLang.
+wraps their loader), or at once if they already are. A target that already loads SGLang's
+plugins itself (an SGLang with ``load_plugins()`` at the top of ``launch_encoder`` and
+``launch_dp_worker``, e.g. with ``patches/sglang-0.5.23-load-plugins.patch``) is left as it
+is. What cannot be covered is recorded (`problems`) and logged at ERROR; the store refuses
+to start on it: a missing name (another SGLang version), or a spawning module imported
+without the patch (`check_coverage`: a finder placed ahead of mmkey's on ``sys.meta_path``
+loaded it). Nothing here raises into SGLang's plugin loader.
 """
 
 from __future__ import annotations
@@ -38,10 +43,14 @@ __all__ = [
     "SPAWN_TARGETS",
     "PatchAfterImport",
     "SpawnTarget",
+    "check_coverage",
+    "clear_problems",
     "cover_spawned_encoders",
+    "loads_plugins_itself",
     "launch_dp_worker",
     "launch_encoder",
     "original_of",
+    "problems",
 ]
 
 SERVER_MODULE = "sglang.srt.disaggregation.encoder.server"
@@ -55,6 +64,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 _originals: dict[tuple[str, str], Callable[..., Any]] = {}
 """SGLang's function behind each name replaced in this process, by (module, name)."""
+_problems: dict[tuple[str, str], str] = {}
+"""What could not be covered in this process, by (module, name)."""
 
 
 def launch_encoder(*args: Any, **kwargs: Any) -> Any:
@@ -107,12 +118,77 @@ def cover_spawned_encoders() -> None:
                 _patch(module)
         if not any(isinstance(f, PatchAfterImport) and f.patch is _patch for f in sys.meta_path):
             sys.meta_path.insert(0, PatchAfterImport({t.module for t in SPAWN_TARGETS}, _patch))
-    except Exception:
-        logger.debug("mmkey: SGLang's spawned encoder processes are not covered", exc_info=True)
+    except Exception as exc:
+        _problem(("*", "*"), f"SGLang's spawned encoder processes could not be covered ({type(exc).__name__}: {exc})")
+
+
+def problems() -> list[str]:
+    """What could not be covered in this process so far (each also logged at ERROR)."""
+    return list(_problems.values())
+
+
+def clear_problems() -> None:
+    """Forget the recorded problems (a process that loads the plugin again)."""
+    _problems.clear()
+
+
+def loads_plugins_itself(function: object) -> bool:
+    """Whether `function` calls SGLang's ``load_plugins`` itself (a patched SGLang)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and "load_plugins" in code.co_names
+
+
+def check_coverage() -> list[str]:
+    """Every problem so far, plus each spawning module imported in this process whose target
+    is neither mmkey's nor loads plugins itself: it was loaded past mmkey's finder (a finder
+    placed ahead of it on ``sys.meta_path``), so its processes would build SGLang's store."""
+    for target in SPAWN_TARGETS:
+        module = sys.modules.get(target.module)
+        if module is None or (target.module, target.name) in _problems:
+            continue
+        current = getattr(module, target.name, None)
+        if current is target.replacement or loads_plugins_itself(current):
+            continue
+        if not callable(current):
+            _missing(target)
+            continue
+        ahead = ", ".join(repr(f) for f in sys.meta_path[: _finder_index()]) or "none, mmkey's is gone"
+        _problem(
+            (target.module, target.name),
+            f"{target.module} was imported without mmkey's patch of {target.name} (finders ahead "
+            f"of mmkey's on sys.meta_path: {ahead}), "
+            "so the processes it starts would build SGLang's unverified store: apply "
+            "patches/sglang-0.5.23-load-plugins.patch to SGLang, or load the plugin "
+            "before that finder is installed",
+        )
+    return problems()
+
+
+def _finder_index() -> int:
+    for i, finder in enumerate(sys.meta_path):
+        if isinstance(finder, PatchAfterImport) and finder.patch is _patch:
+            return i
+    return len(sys.meta_path)
+
+
+def _problem(where: tuple[str, str], text: str) -> None:
+    if where not in _problems:
+        _problems[where] = text
+        logger.error("mmkey: %s", text)
+
+
+def _missing(target: SpawnTarget) -> None:
+    _problem(
+        (target.module, target.name),
+        f"{target.module} has no function {target.name}: this SGLang starts its encoder "
+        "processes differently from 0.5.23, and mmkey cannot make them use its store; "
+        "install sglang==0.5.23 or unset MMKEY_SGLANG_BACKEND",
+    )
 
 
 def _patch(module: ModuleType) -> None:
-    """Replace the targets `module` spawns with ours; skip (debug log) a name it lacks."""
+    """Replace the targets `module` spawns with ours; record a name it lacks as a problem,
+    and leave a target that loads plugins itself alone."""
     for target in SPAWN_TARGETS:
         if target.module != module.__name__:
             continue
@@ -120,7 +196,10 @@ def _patch(module: ModuleType) -> None:
         if current is target.replacement:
             continue
         if not callable(current):
-            logger.debug("mmkey: %s has no function %s; its processes are left as they are", target.module, target.name)
+            _missing(target)
+            continue
+        if loads_plugins_itself(current):
+            logger.debug("mmkey: %s.%s loads SGLang's plugins itself; not replaced", target.module, target.name)
             continue
         _originals[(target.module, target.name)] = current
         setattr(module, target.name, target.replacement)
@@ -128,13 +207,14 @@ def _patch(module: ModuleType) -> None:
 
 
 def _register_backend() -> None:
-    """`register_plugin` in a spawned process; a failure is logged and SGLang goes on."""
-    try:
-        from mmkey.integrations.sglang import register_plugin
+    """`register_plugin` in a spawned process (which records its own configuration errors,
+    so the store there refuses to start on them)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
-        register_plugin()
-    except Exception:
-        logger.exception("mmkey: the SGLang plugin failed in a spawned encoder process; it keeps SGLang's store")
+    from mmkey.integrations.sglang import register_plugin
+
+    register_plugin()
+    HookRegistry.apply_hooks()  # what SGLang's load_plugins does after the plugins ran
 
 
 class PatchAfterImport(importlib.abc.MetaPathFinder):

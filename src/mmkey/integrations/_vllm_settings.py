@@ -13,14 +13,16 @@ from typing import Any
 import attrs
 
 from mmkey.cache.mooncake_config import MooncakeConfig, parse_size
-from mmkey.digest import HashScheme, Modality
-from mmkey.hashing import identifier_digest
+from mmkey.digest import HashScheme, MMHash, Modality
+from mmkey.hashing import hash_bytes, hash_tensor, identifier_digest
 from mmkey.keys import MAX_NAMESPACE_CHARS, EmbeddingKey
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",
     "ConnectorSettings",
     "StoreKind",
+    "check_identifiers_are_content_hashes",
+    "content_digest",
     "identifier_key",
     "identifier_keys",
     "modality_of",
@@ -28,7 +30,15 @@ __all__ = [
 ]
 
 EXTRA_CONFIG_KEYS = frozenset(
-    {"namespace", "store", "mooncake", "memory_max_bytes", "max_pending_save_bytes"}
+    {
+        "namespace",
+        "store",
+        "mooncake",
+        "memory_max_bytes",
+        "max_pending_save_bytes",
+        "max_staged_bytes",
+        "producer_wait_s",
+    }
 )
 """The keys `MMKeyECConnector` reads from ``ec_connector_extra_config``; any other is an error."""
 
@@ -52,6 +62,66 @@ def modality_of(name: str) -> Modality | None:
     Other modalities (``prompt_embeds`` passthrough, model-specific ones) are not cached.
     """
     return _MODALITIES.get(name)
+
+
+def content_digest(data: Mapping[str, Any]) -> MMHash | None:
+    """BLAKE3 digest (an `MMHash`) of an item's processed inputs, or ``None`` if any is not a tensor.
+
+    `data` maps field names to tensors or nested lists of them (vLLM's
+    ``MultiModalKwargsItem.get_data()``). Every field's name and every tensor's dtype, shape
+    and bytes are covered, in name order; a field that holds anything else (``None`` when
+    vLLM left the data out) gives ``None``.
+    """
+    import torch
+
+    parts: list[bytes] = []
+
+    def add(value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            parts.append(b"t" + hash_tensor(value).to_bytes(16, "little"))
+            return True
+        if isinstance(value, (list, tuple)):
+            parts.append(b"l" + len(value).to_bytes(8, "little"))
+            return all(add(v) for v in value)
+        return False
+
+    for name in sorted(data):
+        parts.append(b"n" + name.encode("utf-8", "surrogatepass") + b"\x00")
+        if not add(data[name]):
+            return None
+    if not parts:
+        return None
+    return hash_bytes(b"mmkey-vllm-content-v1\x00" + b"".join(parts))
+
+
+def check_identifiers_are_content_hashes(
+    *,
+    processor_cache_gb: float,
+    prefix_caching: bool,
+    tower_lora: bool,
+    explicit_namespace: bool,
+) -> None:
+    """Refuse (`ValueError`, naming the vLLM settings) setups whose identifiers are not content.
+
+    With the multimodal processor cache off and prefix caching off, vLLM's identifiers are
+    per-process counters (``renderer0-mm-<n>-image-<i>``), the same text on every instance; with
+    LoRA on the vision tower they name the adapter, not its weights.
+    """
+    if processor_cache_gb <= 0 and not prefix_caching:
+        raise ValueError(
+            "MMKeyECConnector: with mm_processor_cache_gb=0 and prefix caching off, vLLM's "
+            "multimodal identifiers are counters (renderer<N>-mm-<n>-...) that repeat on every "
+            "instance and restart, so cached embeddings would be served for other images; set "
+            "mm_processor_cache_gb > 0 (e.g. --mm-processor-cache-gb 1) or enable prefix caching "
+            "(--enable-prefix-caching)"
+        )
+    if tower_lora and not explicit_namespace:
+        raise ValueError(
+            "MMKeyECConnector: enable_tower_connector_lora puts LoRA adapters on the vision "
+            "tower, and vLLM's identifiers name an adapter, not its weights; set "
+            "ec_connector_extra_config={'namespace': '<model and adapter version>'} (one per "
+            "adapter set) or turn enable_tower_connector_lora off"
+        )
 
 
 def identifier_key(namespace: str, modality: Modality, identifier: str) -> EmbeddingKey:
@@ -115,6 +185,12 @@ class ConnectorSettings:
     """Budget of the `MemoryCache` when ``store`` is ``"memory"``."""
     max_pending_save_bytes: int = 512 << 20
     """Embedding bytes a worker may hold for background saves; past it, saves are dropped."""
+    max_staged_bytes: int = 1 << 30
+    """Host bytes the scheduler side may hold of fetched, verified entries not yet loaded;
+    past it, items are encoded instead."""
+    producer_wait_s: float = 2.0
+    """How long a consumer waits for items a producer said it encoded (``ec_transfer_params``)
+    to appear in the store, before encoding them itself."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -159,9 +235,20 @@ class ConnectorSettings:
                     f"MooncakeConfig has {sorted(known)}"
                 )
             fields["mooncake"] = dict(mooncake)
-        for name in ("memory_max_bytes", "max_pending_save_bytes"):
+        for name in ("memory_max_bytes", "max_pending_save_bytes", "max_staged_bytes"):
             if name in extra:
                 fields[name] = _size(extra[name], name)
+        if "producer_wait_s" in extra:
+            wait = extra["producer_wait_s"]
+            if isinstance(wait, bool) or not isinstance(wait, (int, float)):
+                raise TypeError(
+                    f"ec_connector_extra_config['producer_wait_s'] must be seconds (a number), got {wait!r}"
+                )
+            if not 0 <= wait <= 60:
+                raise ValueError(
+                    f"ec_connector_extra_config['producer_wait_s'] must be within 0-60 s, got {wait!r}"
+                )
+            fields["producer_wait_s"] = float(wait)
         return cls(**fields)
 
     def mooncake_config(

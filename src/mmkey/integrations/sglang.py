@@ -3,8 +3,11 @@ multimodal cache (``--enable-mm-global-cache``), and the plugin that lets SGLang
 
 SGLang builds its store with no arguments, so this one configures itself from the
 environment: ``MMKEY_NAMESPACE`` (required: the model, revision and preprocessing whose
-embeddings it holds), Mooncake's ``MOONCAKE_*`` variables (`MooncakeConfig.from_env`) and
-``MMKEY_DEADLINE`` (seconds one store call may block SGLang's I/O thread, default 2).
+embeddings it holds), the Mooncake configuration SGLang's own Mooncake backend reads
+(``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or the ``MOONCAKE_*`` variables, with SGLang's
+defaults; see `mmkey.integrations._sglang_settings`) and ``MMKEY_DEADLINE`` (seconds one
+store call may block SGLang's I/O thread, default 2). The effective configuration is logged
+once at start.
 
 Every SGLang hash text becomes an `EmbeddingKey` (see `sglang_digest`); every entry is a
 self-describing mmkey entry (dtype, shape, key echo, checksum) verified on read against
@@ -14,24 +17,29 @@ raises into SGLang.
 
 Data path: the pools SGLang registers are registered with Mooncake, and a put sends each
 new entry straight from its pool pages (`MooncakeCache.insert_from`: a header sealed over
-the pages, then header and pages in one multi-buffer put). A get lands entries in the
+the pages, then header and pages in one multi-buffer put); a hash the store holds already is
+read back and, when it verifies, kept instead of rewritten. A get lands entries in the
 cache's own staging buffers and copies each into its pages only after it verified
 (`MooncakeCache.read_into`): Mooncake cannot cancel a transfer, so a read given up at the
 deadline may still land later, and SGLang hands the pages of a missed read to other
-entries at once.
+entries at once. Only the process that does SGLang's store I/O (TP rank 0) connects.
 
 The plugin (`register_plugin`, entry point ``mmkey`` in group ``sglang.srt.plugins``) does
-nothing unless ``MMKEY_SGLANG_BACKEND=1``: then the backend name ``mooncake`` (the only one
-``--mm-global-cache-backend`` accepts) creates this store, and so does ``mmkey``.
+nothing unless ``MMKEY_SGLANG_BACKEND`` is set to anything but ``0``: then the backend name
+``mooncake`` (the only one ``--mm-global-cache-backend`` accepts) creates this store, and so
+does ``mmkey``. Once opted in, nothing falls back to SGLang's unverified backend: a
+configuration error (a switch value that does not plainly say on, a missing namespace, an
+SGLang version outside the tested range, an encoder process that cannot be covered) is
+logged at ERROR and makes the store's construction raise it, so the encoder refuses to start.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
@@ -44,7 +52,22 @@ from mmkey.errors import InvalidKey
 from mmkey.integrations._common import Counters, RateLimitedLog
 from mmkey.integrations._sglang_keys import sglang_digest, sglang_key
 from mmkey.integrations._sglang_pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
-from mmkey.integrations._sglang_ranks import cover_spawned_encoders
+from mmkey.integrations._sglang_ranks import check_coverage, cover_spawned_encoders
+from mmkey.integrations._sglang_settings import (
+    BACKEND_ENV,
+    DEADLINE_ENV,
+    DEFAULT_DEADLINE,
+    HASH_ENV,
+    NAMESPACE_ENV,
+    SGLangConfigError,
+    check_sglang_version,
+    config_from_env,
+    hash_mode,
+    namespace_from_env,
+    opted_in,
+    settings_from_env,
+    switch_problem,
+)
 from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:
@@ -55,23 +78,19 @@ __all__ = [
     "BACKEND_NAME",
     "DEADLINE_ENV",
     "DEFAULT_DEADLINE",
+    "HASH_ENV",
     "NAMESPACE_ENV",
     "REGISTRATION_ORDER",
     "MMKeyEmbeddingStore",
+    "SGLangConfigError",
     "config_from_env",
     "namespace_from_env",
+    "plugin_errors",
     "register_plugin",
     "sglang_digest",
     "sglang_key",
 ]
 
-NAMESPACE_ENV = "MMKEY_NAMESPACE"
-"""Names what produced the embeddings (model, revision, preprocessing); required."""
-BACKEND_ENV = "MMKEY_SGLANG_BACKEND"
-"""``1`` makes the plugin replace SGLang's ``mooncake`` embedding store backend."""
-DEADLINE_ENV = "MMKEY_DEADLINE"
-"""Seconds one store call may block SGLang's I/O thread (default `DEFAULT_DEADLINE`)."""
-DEFAULT_DEADLINE = 2.0
 BACKEND_NAME = "mmkey"
 """The backend name this store is registered under besides ``mooncake``."""
 
@@ -80,32 +99,6 @@ _CLASS = "MMKeyEmbeddingStore"
 _LOG_EVERY = 10.0
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-
-def namespace_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """``MMKEY_NAMESPACE``, checked; `ValueError` naming the variable when it is missing."""
-    env = os.environ if environ is None else environ
-    namespace = env.get(NAMESPACE_ENV, "")
-    if not namespace:
-        raise ValueError(
-            f"{NAMESPACE_ENV} is not set: name the model, revision and preprocessing whose "
-            f"embeddings this SGLang server stores, e.g. {NAMESPACE_ENV}=qwen2.5-vl-7b@main"
-        )
-    EmbeddingKey(namespace, Modality.IMAGE, HashScheme.SGLANG, MMHash(0))  # InvalidKey if bad
-    return namespace
-
-
-def config_from_env(environ: Mapping[str, str] | None = None) -> MooncakeConfig:
-    """`MooncakeConfig.from_env` with the deadline from ``MMKEY_DEADLINE``."""
-    env = os.environ if environ is None else environ
-    text = env.get(DEADLINE_ENV, "")
-    try:
-        deadline = float(text) if text else DEFAULT_DEADLINE
-    except ValueError:
-        raise ValueError(f"{DEADLINE_ENV}={text!r} is not a number of seconds, e.g. 2.0") from None
-    if not (math.isfinite(deadline) and deadline > 0):
-        raise ValueError(f"{DEADLINE_ENV}={text!r} must be a positive number of seconds")
-    return MooncakeConfig.from_env(env, deadline=deadline)
 
 
 @attrs.define(slots=True)
@@ -120,19 +113,50 @@ class _Transfer:
 class MMKeyEmbeddingStore(EmbeddingStore):
     """SGLang's `EmbeddingStore` over `MooncakeCache`: typed keys, verified entries, deadlines.
 
-    Built with no arguments as SGLang builds backends (the environment configures it);
-    `namespace` and `config` override the environment, e.g. in tests. Raises `ValueError`
-    naming ``MMKEY_NAMESPACE`` or ``MOONCAKE_MASTER`` when one is missing.
+    Built with no arguments as SGLang builds backends (the environment configures it, and
+    the plugin's configuration errors make it raise `SGLangConfigError`); `namespace`,
+    `config`, `hashes` and `tp_rank` override the environment, e.g. in tests. `hashes` is the
+    scheme of SGLang's feature hashes (`HashScheme.SGLANG`, or `HashScheme.BLAKE3` under
+    ``MMKEY_SGLANG_HASH=blake3``). Only the process that does SGLang's store I/O (TP rank 0:
+    SGLang gates every store call on it) connects to Mooncake and registers memory; the
+    others only record their pools, and answer any call ``False``.
     """
 
-    def __init__(self, *, namespace: str | None = None, config: MooncakeConfig | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        namespace: str | None = None,
+        config: MooncakeConfig | None = None,
+        hashes: HashScheme | None = None,
+        tp_rank: int | None = None,
+    ) -> None:
+        if namespace is None or config is None:  # built by SGLang: refuse what the plugin refused
+            _refuse_on_plugin_errors()
         self._namespace = namespace_from_env() if namespace is None else namespace
         EmbeddingKey(self._namespace, Modality.IMAGE, HashScheme.SGLANG, MMHash(0))
         value: object = config
         if value is not None and not isinstance(value, MooncakeConfig):
             raise TypeError(f"config must be a MooncakeConfig, got {type(value).__name__}")
-        self._cache = MooncakeCache(config_from_env() if config is None else config)
+        scheme = hash_mode() if hashes is None else hashes
+        if scheme not in (HashScheme.SGLANG, HashScheme.BLAKE3):
+            raise TypeError(f"hashes must be HashScheme.SGLANG or HashScheme.BLAKE3, got {scheme!r}")
+        if hashes is None and scheme is HashScheme.BLAKE3 and not _hash_hooks_installed():
+            raise SGLangConfigError(
+                f"{HASH_ENV}=blake3 but SGLang still hashes with its own 64-bit hash in this process: "
+                f"the plugin installs the BLAKE3 hash; set {BACKEND_ENV}=1 instead of registering "
+                "the backend by hand"
+            )
+        self._hashes = scheme
+        if config is None:
+            settings = settings_from_env()
+            config = settings.config
+            _log_start(f"namespace={self._namespace} hashes={self._hashes.value} {settings.describe()}")
+        self._io = _does_io(tp_rank)
+        self._cache: MooncakeCache | None = MooncakeCache(config) if self._io else None
         self._pools = PoolTable()
+        self._known: dict[str, Modality] = {}  # hash text -> modality of its pool, last few
+        self._lookups: dict[str, tuple[EmbeddingKey, ...]] = {}  # hash text -> keys a lookup asks
+        self._memo_lock = threading.Lock()
         self._counts = Counters()
         self._log = RateLimitedLog(logger, logging.ERROR, "mmkey embedding store: %s%s", period=_LOG_EVERY)
 
@@ -142,8 +166,20 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         return self._namespace
 
     @property
+    def hashes(self) -> HashScheme:
+        """The scheme SGLang's feature hashes are read as (`HashScheme.SGLANG` or ``BLAKE3``)."""
+        return self._hashes
+
+    @property
+    def does_io(self) -> bool:
+        """Whether this process does SGLang's store I/O (TP rank 0) and so holds a cache."""
+        return self._io
+
+    @property
     def cache(self) -> MooncakeCache:
-        """The Mooncake cache behind this store."""
+        """The Mooncake cache behind this store; `RuntimeError` in a process that does no I/O."""
+        if self._cache is None:
+            raise RuntimeError("this SGLang process does no store I/O (TP rank above 0): no cache")
         return self._cache
 
     # -- SGLang's EmbeddingStore -----------------------------------------------------------
@@ -152,7 +188,10 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         """Record an embedding pool (its modality follows `REGISTRATION_ORDER`) and register
         its memory with the store, so puts send entries straight from its pages."""
         self._pools.register(tensor)
-        self._cache.register_memory(tensor)
+        with self._memo_lock:
+            self._lookups.clear()  # a new pool: lookups of unknown hashes ask its key too
+        if self._cache is not None:
+            self._cache.register_memory(tensor)
 
     def register_pool(self, tensor: torch.Tensor, modality: Modality) -> None:
         """Record an embedding pool of a known modality, registered as `register_buffer` does."""
@@ -160,15 +199,18 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         if not isinstance(value, Modality):
             raise TypeError(f"modality must be a Modality member, got {value!r}")
         self._pools.register(tensor, modality)
-        self._cache.register_memory(tensor)
+        with self._memo_lock:
+            self._lookups.clear()
+        if self._cache is not None:
+            self._cache.register_memory(tensor)
 
     def get_key(self, mm_hash: str) -> str:
         """The store key of `mm_hash` in the vision pool; `InvalidKey` for bad hash text."""
-        return sglang_key(self._namespace, REGISTRATION_ORDER[0], mm_hash).to_key()
+        return sglang_key(self._namespace, REGISTRATION_ORDER[0], mm_hash, self._hashes).to_key()
 
     def key_for(self, mm_hash: str, modality: Modality) -> EmbeddingKey:
         """The `EmbeddingKey` of `mm_hash` for a pool of `modality`."""
-        return sglang_key(self._namespace, modality, mm_hash)
+        return sglang_key(self._namespace, modality, mm_hash, self._hashes)
 
     def batch_is_exist(self, hashes: list[str]) -> list[bool]:
         """Whether an entry exists for each hash, in any pool's modality."""
@@ -203,8 +245,9 @@ class MMKeyEmbeddingStore(EmbeddingStore):
     def stats(self) -> CacheStats:
         """Counters since creation. `hits` and `misses` count entries SGLang asked for;
         `corrupt` includes entries whose dtype or shape did not fit the pool pages; `skipped`
-        counts hashes and buffers refused without asking the store (bad text, unknown memory)."""
-        inner = self._cache.stats()
+        counts hashes and buffers refused without asking the store (bad text, unknown memory)
+        and puts skipped because the store already held a verified entry for the hash."""
+        inner = CacheStats() if self._cache is None else self._cache.stats()
         c = self._counts.totals()
         return CacheStats(
             hits=c.get("hits", 0),
@@ -213,21 +256,31 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             corrupt=inner.corrupt,
             errors=inner.errors + c.get("failed", 0),
             forged=inner.forged,
-            skipped=inner.skipped + c.get("rejected", 0),
+            skipped=inner.skipped + c.get("rejected", 0) + c.get("kept", 0),
+            unsigned=inner.unsigned,
+            unknown_key=inner.unknown_key,
+            expired=inner.expired,
+            bad_mac=inner.bad_mac,
+            unsigned_served=inner.unsigned_served,
+            oversized=inner.oversized,
         )
 
     def close(self) -> None:
         """Close the Mooncake cache; later calls answer ``False``."""
-        self._cache.close()
+        if self._cache is not None:
+            self._cache.close()
 
     def __repr__(self) -> str:
-        return f"MMKeyEmbeddingStore(namespace={self._namespace!r}, {self._cache!r})"
+        inner = repr(self._cache) if self._cache is not None else "no store I/O in this process"
+        return f"MMKeyEmbeddingStore(namespace={self._namespace!r}, {inner})"
 
     # -- internals -------------------------------------------------------------------------
 
     def _guard(self, what: str, hashes: Sequence[str], call: Callable[[], list[bool]]) -> list[bool]:
         """`call()`, or all ``False`` (logged, counted) if it raises: nothing reaches SGLang."""
         try:
+            if self._cache is None:
+                raise RuntimeError("called in a process that does no store I/O (TP rank above 0)")
             return call()
         except Exception as exc:
             self._counts.add(failed=1)
@@ -239,23 +292,47 @@ class MMKeyEmbeddingStore(EmbeddingStore):
 
     def _parse(self, index: int, text: str, modality: Modality) -> EmbeddingKey | None:
         try:
-            return sglang_key(self._namespace, modality, text)
+            return sglang_key(self._namespace, modality, text, self._hashes)
         except (InvalidKey, TypeError) as exc:
             self._counts.add(rejected=1)
             self._log("bad-hash", f"hash #{index} refused: {exc}")
             return None
 
+    def _remember(self, text: str, modality: Modality) -> None:
+        """Note the pool modality of a hash this store moved, so lookups ask one key for it."""
+        with self._memo_lock:
+            if self._known.get(text) is not modality:
+                _bounded_set(self._known, text, modality)
+                self._lookups.pop(text, None)
+
+    def _lookup_keys(self, index: int, text: str) -> tuple[EmbeddingKey, ...]:
+        """The keys a lookup of `text` asks (its pool's, or every pool's); remembered."""
+        value: object = text
+        if not isinstance(value, str):
+            self._parse(index, text, REGISTRATION_ORDER[0])  # refused: counted and logged
+            return ()
+        found = self._lookups.get(text)
+        if found is not None:
+            return found
+        known = self._known.get(text)
+        keys: list[EmbeddingKey] = []
+        for modality in self._pools.modalities() if known is None else (known,):
+            key = self._parse(index, text, modality)
+            if key is None:
+                return ()
+            keys.append(key)
+        _bounded_set(self._lookups, text, tuple(keys))
+        return tuple(keys)
+
     def _exist(self, hashes: list[str]) -> list[bool]:
+        assert self._cache is not None
         keys: list[EmbeddingKey] = []
         owners: list[int] = []
-        modalities = self._pools.modalities()
-        for i, text in enumerate(hashes):
-            for modality in modalities:
-                key = self._parse(i, text, modality)
-                if key is None:
-                    break
-                keys.append(key)
-                owners.append(i)
+        with self._memo_lock:
+            for i, text in enumerate(hashes):
+                group = self._lookup_keys(i, text)
+                keys.extend(group)
+                owners.extend([i] * len(group))
         result = [False] * len(hashes)
         for owner, found in zip(owners, self._cache.batch_is_exist(keys) if keys else []):
             result[owner] = result[owner] or found
@@ -279,10 +356,12 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             key = self._parse(i, text, pool.modality)
             if key is None:
                 continue
+            self._remember(text, pool.modality)
             plans.append(_Transfer(i, key, rows))
         return plans
 
     def _get(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
+        assert self._cache is not None
         result = [False] * len(hashes)
         plans = self._plan(hashes, ptrs, sizes)
         if plans:  # entries that do not verify are counted and logged by the cache
@@ -294,35 +373,154 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         return result
 
     def _put(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
+        """Store each new entry; an entry the store holds already and that verifies (another
+        encoder of the fleet stored the same image first) is kept, not rewritten."""
+        cache = self._cache
+        assert cache is not None
         result = [False] * len(hashes)
         plans = self._plan(hashes, ptrs, sizes)
-        if plans:
-            stored = self._cache.insert_from([p.key for p in plans], [p.rows for p in plans])
-            for plan, ok in zip(plans, stored):
+        if not plans:
+            return result
+        held = cache.batch_is_exist([p.key for p in plans])
+        present = [p for p, found in zip(plans, held) if found]
+        kept: set[int] = set()
+        if present:
+            for plan, entry in zip(present, cache.get_embeddings([p.key for p in present])):
+                if entry is not None and _fits(entry, plan.rows):
+                    kept.add(plan.index)
+                    result[plan.index] = True
+            self._counts.add(kept=len(kept))
+        todo = [p for p in plans if p.index not in kept]
+        if todo:
+            stored = cache.insert_from([p.key for p in todo], [p.rows for p in todo])
+            for plan, ok in zip(todo, stored):
                 result[plan.index] = ok
         return result
 
 
-def register_plugin() -> None:
-    """SGLang general plugin: with ``MMKEY_SGLANG_BACKEND=1``, register `MMKeyEmbeddingStore`
-    as the ``mooncake`` and ``mmkey`` embedding store backends, and make the encoder
-    processes SGLang spawns (TP ranks above 0, DP workers) do the same before they start
-    (`cover_spawned_encoders`); otherwise do nothing.
+def _hash_hooks_installed() -> bool:
+    from mmkey.integrations import _sglang_hash
 
-    Raises `ValueError` (SGLang logs it and keeps its own backend) for any other value of
-    the switch, and when ``MMKEY_NAMESPACE`` is missing with the switch on.
+    return _sglang_hash.installed()
+
+
+_V = TypeVar("_V")
+_KNOWN_HASHES = 8192
+"""How many hashes' pool modalities (and lookup keys) a store remembers."""
+
+
+def _bounded_set(memo: dict[str, _V], text: str, value: _V) -> None:
+    """`memo[text] = value`, dropping the oldest entry beyond `_KNOWN_HASHES`."""
+    if text not in memo and len(memo) >= _KNOWN_HASHES:
+        del memo[next(iter(memo))]
+    memo[text] = value
+
+
+def _fits(entry: torch.Tensor, rows: list[torch.Tensor]) -> bool:
+    """Whether a stored embedding has exactly the dtype and shape of the pool rows."""
+    first = rows[0]
+    return (
+        entry.dtype == first.dtype
+        and entry.dim() == 2
+        and entry.shape[1] == first.shape[1]
+        and entry.shape[0] == sum(r.shape[0] for r in rows)
+    )
+
+
+def _does_io(tp_rank: int | None) -> bool:
+    """Whether this process does the store I/O: TP rank 0, as SGLang's encoder gates it
+    (SGLang's runtime context when `tp_rank` is None; a process outside one does I/O)."""
+    if tp_rank is None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            rank: object = get_parallel().tp_rank
+        except Exception:
+            return True
+        tp_rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
+    return tp_rank == 0
+
+
+_started = False
+
+
+def _log_start(text: str) -> None:
+    """Log the effective configuration, once per process."""
+    global _started
+    if not _started:
+        _started = True
+        logger.info("mmkey SGLang store: %s", text)
+
+
+# -- the SGLang plugin ------------------------------------------------------------------------
+
+_plugin_errors: list[str] | None = None
+"""The configuration errors the plugin found in this process (None: it has not opted in)."""
+
+
+def plugin_errors() -> list[str]:
+    """What stops mmkey's store from starting in this process: the plugin's configuration
+    errors, and the encoder processes it could not cover (empty when it did not opt in)."""
+    if _plugin_errors is None:
+        return []
+    return [*_plugin_errors, *check_coverage()]
+
+
+def _refuse_on_plugin_errors() -> None:
+    errors = plugin_errors()
+    if errors:
+        raise SGLangConfigError(
+            "mmkey's SGLang embedding store refuses to start (the encoder must not run on an "
+            f"unverified store once {BACKEND_ENV} opts in): " + " | ".join(errors)
+        )
+
+
+def register_plugin() -> None:
+    """SGLang general plugin: with ``MMKEY_SGLANG_BACKEND`` set to anything but ``0``,
+    register `MMKeyEmbeddingStore` as the ``mooncake`` and ``mmkey`` embedding store
+    backends, and make the encoder processes SGLang spawns (TP ranks above 0, DP workers) do
+    the same before they start (`cover_spawned_encoders`); otherwise do nothing.
+
+    Configuration errors (the switch's value, ``MMKEY_NAMESPACE``, ``MMKEY_SGLANG_HASH``, the
+    Mooncake configuration, SGLang's version) are logged at ERROR and recorded: the store's
+    construction then raises them, so the encoder refuses to start. Raises only when
+    SGLang's backend registry cannot be reached.
     """
-    switch = os.environ.get(BACKEND_ENV, "")
-    if switch in ("", "0"):
+    global _plugin_errors
+    if not opted_in():
         return
-    if switch != "1":
-        raise ValueError(f"{BACKEND_ENV}={switch!r}: set 1 to use mmkey's store, 0 or unset not to")
-    namespace_from_env()
     from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
 
     for name in ("mooncake", BACKEND_NAME):
         EmbeddingStoreFactory.register_backend(name, _MODULE, _CLASS)
+    errors: list[str] = []
+    problem = switch_problem()
+    if problem is not None:
+        errors.append(str(problem))
+    for check in (_check_version, namespace_from_env, hash_mode, settings_from_env):
+        try:
+            check()
+        except SGLangConfigError as exc:
+            errors.append(str(exc))
+    _plugin_errors = errors
+    for error in errors:
+        logger.error("mmkey: %s", error)
     cover_spawned_encoders()
+    if not errors and hash_mode() is HashScheme.BLAKE3:
+        from mmkey.integrations._sglang_hash import install
+
+        install()
     logger.info(
-        "mmkey: --mm-global-cache-backend mooncake now creates %s.%s (%s=1)", _MODULE, _CLASS, BACKEND_ENV
+        "mmkey: --mm-global-cache-backend mooncake now creates %s.%s (%s=%s)%s",
+        _MODULE,
+        _CLASS,
+        BACKEND_ENV,
+        os.environ.get(BACKEND_ENV, ""),
+        "; it will refuse to start: see the errors above" if errors else "",
     )
+
+
+def _check_version() -> None:
+    import sglang
+
+    check_sglang_version(str(getattr(sglang, "__version__", "unknown")))

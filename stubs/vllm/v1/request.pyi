@@ -1,9 +1,12 @@
+from typing import Any
+
 from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.sampling_params import SamplingParams
 
 class Request:
     request_id: str
     mm_features: list[MultiModalFeatureSpec]
+    ec_transfer_params: dict[str, Any] | None
     def __init__(
         self,
         request_id: str,

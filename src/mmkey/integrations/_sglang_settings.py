@@ -1,0 +1,279 @@
+"""What the SGLang integration reads from the environment, checked before any store is built.
+
+The switch ``MMKEY_SGLANG_BACKEND``: unset, empty or ``0`` leaves SGLang alone; any other
+value opts in. ``1``, ``true``, ``yes``, ``on`` and ``mmkey`` (any case) are the values that
+say so plainly; any other value (``false``, ``off``, a typo) still opts in, and is a
+configuration error that stops the encoder: a value that may mean "off" never leaves an
+encoder silently on SGLang's unverified backend. ``MMKEY_SGLANG_HASH``: empty for SGLang's
+own 64-bit hashes, ``blake3`` for BLAKE3-128.
+
+The Mooncake store is configured as SGLang's own Mooncake embedding backend configures it
+(SGLang 0.5.23, ``MooncakeStoreConfig``), with SGLang's defaults: the JSON file named by
+``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` when set, otherwise ``MOONCAKE_MASTER``,
+``MOONCAKE_PROTOCOL`` (default ``rdma``), ``MOONCAKE_DEVICE``,
+``MOONCAKE_TE_META_DATA_SERVER`` (default ``P2PHANDSHAKE``), ``MOONCAKE_GLOBAL_SEGMENT_SIZE``
+(default 4 GiB), ``MOONCAKE_TENANT_ID``; the local host name from ``MOONCAKE_LOCAL_HOSTNAME``,
+then ``LOCAL_HOSTNAME``, then the file, then ``localhost``. mmkey adds
+``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_REPLICA_NUM``, ``MMKEY_DEADLINE`` and the
+``MMKEY_*`` settings `MooncakeConfig.from_env` reads.
+``MOONCAKE_CLIENT`` (a standalone ``mooncake_client``) is not used by SGLang's embedding
+backend either: the store talks to the master itself, so a master is required.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from mmkey.cache.mooncake_config import MooncakeConfig, parse_size
+from mmkey.digest import HashScheme, MMHash, Modality
+from mmkey.errors import InvalidKey
+from mmkey.keys import EmbeddingKey
+
+__all__ = [
+    "BACKEND_ENV",
+    "DEADLINE_ENV",
+    "DEFAULT_DEADLINE",
+    "HASH_ENV",
+    "NAMESPACE_ENV",
+    "SGLANG_CONFIG_ENV",
+    "TESTED_SGLANG",
+    "SGLangConfigError",
+    "StoreSettings",
+    "check_sglang_version",
+    "config_from_env",
+    "hash_mode",
+    "namespace_from_env",
+    "opted_in",
+    "settings_from_env",
+    "switch_problem",
+]
+
+BACKEND_ENV = "MMKEY_SGLANG_BACKEND"
+"""Any non-empty value but ``0`` makes SGLang's ``mooncake`` backend mmkey's store."""
+HASH_ENV = "MMKEY_SGLANG_HASH"
+"""``blake3``: SGLang hashes multimodal features with BLAKE3-128 and keys use 128 bits."""
+NAMESPACE_ENV = "MMKEY_NAMESPACE"
+"""Names what produced the embeddings (model, revision, preprocessing); required."""
+DEADLINE_ENV = "MMKEY_DEADLINE"
+"""Seconds one store call may block SGLang's I/O thread (default `DEFAULT_DEADLINE`)."""
+DEFAULT_DEADLINE = 2.0
+SGLANG_CONFIG_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
+"""SGLang's Mooncake config file (JSON, Mooncake's field names)."""
+TESTED_SGLANG = ((0, 5, 23), (0, 5, 24))
+"""SGLang versions this integration is tested with: from the first, below the second."""
+
+_ON = frozenset({"1", "true", "yes", "on", "mmkey"})
+_HASHES = {"": HashScheme.SGLANG, "sglang": HashScheme.SGLANG, "blake3": HashScheme.BLAKE3}
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")
+# SGLang 0.5.23's defaults (sglang.srt.environ) for its Mooncake backend
+_SGLANG_DEFAULTS: dict[str, Any] = {
+    "local_hostname": "localhost",
+    "metadata_server": "P2PHANDSHAKE",
+    "global_segment_size": "4gb",
+    "protocol": "rdma",
+    "device_name": "",
+    "tenant_id": "default",
+}
+_ENV_FIELDS = {
+    "MOONCAKE_MASTER": "master_server_address",
+    "MOONCAKE_PROTOCOL": "protocol",
+    "MOONCAKE_DEVICE": "device_name",
+    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
+    "MOONCAKE_TENANT_ID": "tenant_id",
+}
+_FILE_FIELDS = frozenset({*_ENV_FIELDS.values(), "local_hostname", "local_buffer_size", "replica_num"})
+
+
+class SGLangConfigError(ValueError):
+    """The SGLang integration is switched on but cannot run as configured; says the fix."""
+
+
+def opted_in(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``MMKEY_SGLANG_BACKEND`` opts in: set, non-empty and not ``0``."""
+    env = os.environ if environ is None else environ
+    return env.get(BACKEND_ENV, "") not in ("", "0")
+
+
+def switch_problem(environ: Mapping[str, str] | None = None) -> SGLangConfigError | None:
+    """The error of an opted-in switch whose value does not plainly say "on", else None."""
+    env = os.environ if environ is None else environ
+    value = env.get(BACKEND_ENV, "")
+    if value in ("", "0") or value.strip().lower() in _ON:
+        return None
+    return SGLangConfigError(
+        f"{BACKEND_ENV}={value!r} is not a value mmkey reads as on: set {BACKEND_ENV}=1 to "
+        f"use mmkey's verified store, or unset it (or 0) to keep SGLang's own backend"
+    )
+
+
+def hash_mode(environ: Mapping[str, str] | None = None) -> HashScheme:
+    """The scheme of SGLang's feature hashes: `HashScheme.SGLANG` (64-bit, SGLang's own) or
+    `HashScheme.BLAKE3` with ``MMKEY_SGLANG_HASH=blake3``; `SGLangConfigError` otherwise."""
+    env = os.environ if environ is None else environ
+    value = env.get(HASH_ENV, "")
+    scheme = _HASHES.get(value.strip().lower())
+    if scheme is None:
+        raise SGLangConfigError(
+            f"{HASH_ENV}={value!r}: set {HASH_ENV}=blake3 for 128-bit feature hashes, or leave "
+            "it unset for SGLang's own 64-bit hashes"
+        )
+    return scheme
+
+
+def namespace_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``MMKEY_NAMESPACE``, checked; `SGLangConfigError` naming the variable when it is
+    missing or not a valid namespace."""
+    env = os.environ if environ is None else environ
+    namespace = env.get(NAMESPACE_ENV, "")
+    if not namespace:
+        raise SGLangConfigError(
+            f"{NAMESPACE_ENV} is not set: name the model, revision and preprocessing whose "
+            f"embeddings this SGLang server stores, e.g. {NAMESPACE_ENV}=qwen2.5-vl-7b@main"
+        )
+    try:
+        EmbeddingKey(namespace, Modality.IMAGE, HashScheme.SGLANG, MMHash(0))
+    except InvalidKey as exc:
+        raise SGLangConfigError(f"{NAMESPACE_ENV}={namespace!r}: {exc}") from None
+    return namespace
+
+
+def check_sglang_version(version: str) -> None:
+    """`SGLangConfigError` unless `version` is in `TESTED_SGLANG`."""
+    low, high = TESTED_SGLANG
+    match = _VERSION.match(version)
+    found = tuple(int(part) for part in match.groups()) if match else None
+    if found is None or not (low <= found < high):
+        raise SGLangConfigError(
+            f"SGLang {version} is outside the versions mmkey's SGLang integration is tested "
+            f"with ({_dotted(low)} up to, not including, {_dotted(high)}): install "
+            f"sglang=={_dotted(low)} (pip install 'mmkey[sglang]'), or unset {BACKEND_ENV} "
+            "to run SGLang's own backend"
+        )
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+@attrs.frozen(slots=True)
+class StoreSettings:
+    """A Mooncake configuration and where it came from (for the start-up log)."""
+
+    config: MooncakeConfig
+    source: str
+    """``file <path>`` or ``environment``."""
+    notes: tuple[str, ...] = ()
+    """Settings read but not used (e.g. ``MOONCAKE_CLIENT``)."""
+
+    def describe(self) -> str:
+        """One line: the effective configuration."""
+        c = self.config
+        text = (
+            f"master={c.master_server_address} protocol={c.protocol} device={c.device_name!r} "
+            f"local_hostname={c.local_hostname} metadata_server={c.metadata_server} "
+            f"global_segment_size={c.global_segment_size} local_buffer_size={c.local_buffer_size} "
+            f"tenant_id={c.tenant_id} replica_num={c.replica_num} deadline={c.deadline}s "
+            f"(from {self.source})"
+        )
+        return text + "".join(f"; {note}" for note in self.notes)
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> MooncakeConfig:
+    """The Mooncake configuration SGLang's own Mooncake embedding backend would use, with
+    mmkey's deadline; `SGLangConfigError` naming the fix for anything it cannot use."""
+    return settings_from_env(environ).config
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings:
+    """`config_from_env` and where it came from."""
+    env = os.environ if environ is None else environ
+    fields: dict[str, Any] = dict(_SGLANG_DEFAULTS)
+    notes: list[str] = []
+    path = env.get(SGLANG_CONFIG_ENV)
+    if path is not None:
+        data = _read_file(path)
+        if "master_server_address" not in data and "client_server_address" not in data:
+            raise SGLangConfigError(
+                f"{SGLANG_CONFIG_ENV}={path!r}: the file names no master_server_address; "
+                "add the Mooncake master's host:port"
+            )
+        if env.get("MOONCAKE_PROTOCOL"):  # SGLang: the variable when the file has no protocol
+            fields["protocol"] = env["MOONCAKE_PROTOCOL"]
+        fields.update({k: v for k, v in data.items() if k in _FILE_FIELDS})
+        client = data.get("client_server_address")
+        source = f"file {path}"
+    else:
+        if not env.get("MOONCAKE_MASTER") and not env.get("MOONCAKE_CLIENT"):
+            raise SGLangConfigError(
+                "no Mooncake master configured: set MOONCAKE_MASTER=host:port (or "
+                f"{SGLANG_CONFIG_ENV} to a JSON config file), as for SGLang's own backend"
+            )
+        for var, name in _ENV_FIELDS.items():
+            if env.get(var):
+                fields[name] = env[var]
+        client = env.get("MOONCAKE_CLIENT")
+        source = "environment"
+        if env.get("MOONCAKE_CONFIG_PATH"):
+            notes.append(f"MOONCAKE_CONFIG_PATH not read (SGLang's backend reads {SGLANG_CONFIG_ENV})")
+    for var in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):  # SGLang: these win over the file
+        if env.get(var):
+            fields["local_hostname"] = env[var]
+            break
+    if client:
+        if not fields.get("master_server_address"):
+            raise SGLangConfigError(
+                f"MOONCAKE_CLIENT={client!r} names a standalone mooncake_client, which the "
+                "embedding store does not use (nor does SGLang's own): set MOONCAKE_MASTER="
+                "host:port (or master_server_address in the config file)"
+            )
+        notes.append(f"MOONCAKE_CLIENT={client} not used (the store talks to the master)")
+    for var, name in (("MOONCAKE_LOCAL_BUFFER_SIZE", "local_buffer_size"), ("MOONCAKE_REPLICA_NUM", "replica_num")):
+        if env.get(var):
+            fields[name] = env[var]
+    fields["tenant_id"] = str(fields.get("tenant_id") or "").strip() or "default"
+    fields["deadline"] = _deadline(env)
+    try:
+        for name in ("global_segment_size", "local_buffer_size"):
+            if name in fields:
+                fields[name] = parse_size(fields[name], name)
+        if isinstance(fields.get("replica_num"), str):
+            text = fields["replica_num"].strip()
+            if not (text.isascii() and text.isdigit()):
+                raise ValueError(f"MOONCAKE_REPLICA_NUM must be a whole number >= 1, got {text!r}")
+            fields["replica_num"] = int(text)
+        # mmkey's own MMKEY_* settings of a Mooncake cache come from MooncakeConfig.from_env,
+        # with every Mooncake field above given: nothing of Mooncake's is read twice
+        mmkey_only = {k: v for k, v in env.items() if k.startswith("MMKEY_")}
+        return StoreSettings(MooncakeConfig.from_env(mmkey_only, **fields), source, tuple(notes))
+    except (TypeError, ValueError) as exc:
+        raise SGLangConfigError(f"Mooncake configuration ({source}): {exc}") from None
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SGLangConfigError(f"{SGLANG_CONFIG_ENV}={path!r}: cannot read a JSON config: {exc}") from None
+    if not isinstance(data, dict):
+        raise SGLangConfigError(f"{SGLANG_CONFIG_ENV}={path!r}: expected a JSON object")
+    return data
+
+
+def _deadline(env: Mapping[str, str]) -> float:
+    text = env.get(DEADLINE_ENV, "")
+    try:
+        deadline = float(text) if text else DEFAULT_DEADLINE
+    except ValueError:
+        raise SGLangConfigError(f"{DEADLINE_ENV}={text!r} is not a number of seconds, e.g. 2.0") from None
+    if not (math.isfinite(deadline) and deadline > 0):
+        raise SGLangConfigError(f"{DEADLINE_ENV}={text!r} must be a positive number of seconds")
+    return deadline

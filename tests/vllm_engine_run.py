@@ -1,0 +1,133 @@
+"""One real vLLM engine run, in a fresh process: ``python vllm_engine_run.py SPEC.json OUT.json``.
+
+The spec names the model directory, the EC transfer config (or none), the prompts (text with
+``<image>`` and the seed of a 32x32 image each) and engine options. The run writes the
+generated token ids of every prompt, the number of images the vision tower encoded, the
+connector's totals and each request's ``ec_transfer_params``. With ``"pause_file"`` set, the
+run writes ``<pause_file>.ready`` after the engine is up and waits for ``pause_file`` to exist
+before generating (a test does something to the store in between).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def image(seed: int, size: int = 32) -> Any:
+    """A deterministic RGB image."""
+    import importlib
+
+    import numpy as np
+
+    Image: Any = importlib.import_module("PIL.Image")
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
+
+
+def _connector(llm: Any) -> Any:
+    from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
+
+    return get_ec_transfer() if has_ec_transfer() else None
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm_engine_model import count_tower_calls  # importable by the engine's processes
+
+    spec = json.loads(Path(spec_path).read_text())
+    import importlib
+
+    from vllm.config import ECTransferConfig
+
+    vllm: Any = importlib.import_module("vllm")
+    LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        enforce_eager=True,
+        max_model_len=512,
+        dtype=spec.get("dtype", "float32"),
+        seed=0,
+        limit_mm_per_prompt={"image": 4},
+    )
+    kwargs.update(spec.get("engine", {}))
+    if spec.get("ec") is not None:
+        kwargs["ec_transfer_config"] = ECTransferConfig(**spec["ec"])
+    out: dict[str, Any] = {}
+    try:
+        llm = LLM(**kwargs)
+    except Exception as exc:
+        out["start_error"] = f"{type(exc).__name__}: {exc}"
+        Path(out_path).write_text(json.dumps(out))
+        return
+    llm.apply_model(count_tower_calls)
+    pause = spec.get("pause_file")
+    if pause:
+        Path(pause + ".ready").write_text("up")
+        stop = time.monotonic() + 120
+        while not os.path.exists(pause) and time.monotonic() < stop:
+            time.sleep(0.05)
+    transfer_params = spec.get("ec_transfer_params")
+    awaited = spec.get("await_params")
+    if awaited:  # a producer's ec_transfer_params, written by another engine run
+        stop = time.monotonic() + 120
+        while not os.path.exists(awaited) and time.monotonic() < stop:
+            time.sleep(0.002)
+        time.sleep(0.01)
+        transfer_params = json.loads(Path(awaited).read_text())
+    rounds = spec.get("rounds", [spec.get("prompts", [])])
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
+    results = []
+    seconds = []
+    for prompts in rounds:
+        inputs = [
+            {"prompt": p["text"], "multi_modal_data": {"image": [image(s, spec.get("image_size", 32)) for s in p["images"]]}}
+            for p in prompts
+        ]
+        started = time.perf_counter()
+        if transfer_params:
+            per = [
+                SamplingParams(
+                    max_tokens=params.max_tokens,
+                    temperature=0.0,
+                    extra_args={"ec_transfer_params": transfer_params[i]},
+                )
+                for i in range(len(prompts))
+            ]
+            outputs = llm.generate(inputs, per, use_tqdm=False)
+        else:
+            outputs = llm.generate(inputs, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - started)
+        published = spec.get("publish_params")
+        if published:  # at once, before the saves are flushed: the consumer races them
+            tmp = Path(published + ".tmp")
+            tmp.write_text(json.dumps([o.ec_transfer_params for o in outputs]))
+            tmp.rename(published)
+        results.append(
+            [
+                {
+                    "tokens": list(o.outputs[0].token_ids) if o.outputs else [],
+                    "ec_transfer_params": o.ec_transfer_params,
+                }
+                for o in outputs
+            ]
+        )
+    out["rounds"] = results
+    out["round_seconds"] = seconds
+    out["tower_images"] = llm.apply_model(count_tower_calls)[0]
+    connector = _connector(llm)
+    if connector is not None and hasattr(connector, "totals"):
+        if hasattr(connector, "flush_saves"):
+            connector.flush_saves(10.0)
+        out["worker_totals"] = connector.totals()
+    Path(out_path).write_text(json.dumps(out))
+    llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
