@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import enum
 import importlib
+import inspect
 import sys
+import types
 from pathlib import Path
 from typing import cast
 
@@ -48,6 +52,46 @@ autoclass_content = "class"
 # the integrations subclass the stacks' own classes; the stacks are not installed in the dev
 # environment (each has an environment of its own), so autodoc imports them as stand-ins
 autodoc_mock_imports = ["vllm", "sglang"]
+
+
+def _vllm_connector_stand_in() -> None:
+    """Real classes for the vLLM names ``mmkey.integrations.vllm`` imports, with the hooks its
+    import-time API check asks for (read from that module's source), so that autodoc can
+    import it without vLLM. Nothing but the docs build imports them."""
+    source = (DOCS.parent / "src" / "mmkey" / "integrations" / "vllm.py").read_text()
+    [hooks] = [
+        ast.literal_eval(node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "_SCHEDULER_HOOKS" for t in node.targets)
+    ]
+    base = types.ModuleType("vllm.distributed.ec_transfer.ec_connector.base")
+    metrics = types.ModuleType("vllm.distributed.ec_transfer.ec_connector.metrics")
+
+    def hook(name: str, parameters: tuple[str, ...]) -> object:
+        def method(self: object, *args: object) -> None:
+            """A vLLM connector hook."""
+
+        names = ("self", *parameters)
+        method.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+        )
+        method.__name__ = name
+        return method
+
+    connector_base = type("ECConnectorBase", (), {name: hook(name, p) for name, p in hooks.items()})
+    role = enum.Enum("ECConnectorRole", ["SCHEDULER", "WORKER"])  # type: ignore[misc]
+    for module, classes in (
+        (base, (connector_base, type("ECConnectorMetadata", (), {}), role)),
+        (metrics, (type("ECConnectorStats", (), {}),)),
+    ):
+        for cls in classes:
+            cls.__module__ = module.__name__
+            setattr(module, cls.__name__, cls)
+        sys.modules[module.__name__] = module
+
+
+_vllm_connector_stand_in()
 napoleon_google_docstring = False
 napoleon_numpy_docstring = False
 
@@ -86,7 +130,7 @@ nitpick_ignore_regex = [
     # vLLM and SGLang, whose classes the integrations implement: no inventories offline
     (r"py:.*", r"(vllm|sglang)\..*"),
     (r"py:.*", r"(VllmConfig|SchedulerOutput|Request|ECConnectorStats|EmbeddingStore"
-     r"|ECConnectorMetadata|ECConnectorWorkerMetadata|ECConnectorBase)"),
+     r"|ECConnectorMetadata|ECConnectorWorkerMetadata|ECConnectorBase|ECConnectorRole)"),
     # the Mooncake binding (typed by stubs/, documented upstream only)
     (r"py:.*", r"(mooncake)(\..*)?"),
     (r"py:.*", r"(MooncakeDistributedStore|ReplicateConfig)(\..*)?"),

@@ -272,7 +272,7 @@ def embedding_key_texts(items: list[object] | tuple[object, ...]) -> list[str] |
 
 
 def key_text(key: object) -> str:
-    """The store text of `key`, checking at run time that it is a `CacheKey`.
+    """The store text of ``key``, checking at run time that it is a `CacheKey`.
 
     Raises `TypeError` naming the fix for ints, digests and plain strings, and
     `InvalidKey` when a foreign ``to_key()`` returns text outside the key alphabet.

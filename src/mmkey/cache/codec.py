@@ -365,7 +365,7 @@ def _seal(
 
 
 def entry_size(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None = None) -> int:
-    """Bytes `encode_entry` writes for ``tensor`` under `key`: header plus payload."""
+    """Bytes `encode_entry` writes for ``tensor`` under ``key``: header plus payload."""
     import torch
 
     value: object = tensor
@@ -377,14 +377,14 @@ def entry_size(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None =
 
 
 def largest_entry_size(key: str, payload_bytes: int, ndim: int) -> int:
-    """The most bytes a genuine entry under `key` with a payload of ``payload_bytes`` and
+    """The most bytes a genuine entry under ``key`` with a payload of ``payload_bytes`` and
     ``ndim`` dimensions can have (the largest header any writer makes for it, plus the
     payload): a reader with a target of that size need not fetch anything larger."""
     return _header_size(ndim, len(_key_bytes(key)), _SIGNED_FLAGS) + payload_bytes
 
 
 def encode_entry(key: str, tensor: torch.Tensor, *, keyring: EntryKeyring | None = None) -> bytes:
-    """The entry of ``tensor`` stored under key text `key` (see the module doc for the layout).
+    """The entry of ``tensor`` stored under key text ``key`` (see the module doc for the layout).
 
     Any strided tensor of a `DTYPE_CODES` dtype on any device; it is copied, never kept.
     With a ``keyring``, the entry carries a MAC made with its current secret.
@@ -542,7 +542,7 @@ def _parse_as(
     view: memoryview, key: str, raw_key: bytes, rt: _Runtime, keyring: EntryKeyring | None
 ) -> _Parsed:
     """`_parse` of a private copy of the header, and `CorruptEntry` unless the entry was
-    written under `key`; under a ``keyring`` every refusal is a `ForgedEntry`."""
+    written under ``key``; under a ``keyring`` every refusal is a `ForgedEntry`."""
     try:
         parsed = _parse(_private_header(view), view.nbytes, rt)
         if parsed.stored_key != raw_key:
@@ -580,7 +580,7 @@ def peek_header(data: Buffer) -> EntryHeader:
 def decode_entry(
     key: str, data: Buffer, *, copy: bool = True, keyring: EntryKeyring | None = None
 ) -> torch.Tensor:
-    """The tensor stored in entry ``data``, verified against key text `key`.
+    """The tensor stored in entry ``data``, verified against key text ``key``.
 
     Raises `CorruptEntry` (saying what failed) unless magic, version, dtype, shape, sizes,
     the key and the checksum all verify. With a ``keyring``, the entry must instead carry a
@@ -712,7 +712,7 @@ def decode_entry_into(
     *,
     keyring: EntryKeyring | None = None,
 ) -> None:
-    """Verify entry ``data`` against key text `key` as `decode_entry` does, then copy its
+    """Verify entry ``data`` against key text ``key`` as `decode_entry` does, then copy its
     payload into ``out``: one tensor of the entry's dtype and shape, or several (e.g. pages
     of a pool) whose concatenation along the first dimension has it.
 

@@ -8,7 +8,7 @@ writes with upsert (a put never overwrites), tells misses from entries (both rea
 (`mmkey.cache._mooncake_transport`) runs every binding call on a worker within the call's
 deadline, behind a breaker, and calls the binding's GIL-holding ``setup``/``close`` only
 right after the master answered; staging (`mmkey.cache._mooncake_staging`) moves entries
-through registered buffers (`batch_upsert_from`, `batch_get_into`), not Python bytes copies.
+through registered buffers (``batch_upsert_from``, ``batch_get_into``), not Python bytes copies.
 """
 
 from __future__ import annotations

@@ -122,8 +122,11 @@ class MooncakeConfig:
     removes the keys of another (measured against a real master). Separate tenants by
     namespace, and entries from writers without the fleet secret by `EntryKeyring`."""
     deadline: float = attrs.field(default=0.5, validator=_seconds)
+    """Seconds one call may block its caller, however many transfers it takes."""
     setup_deadline: float = attrs.field(default=5.0, validator=_seconds)
+    """Seconds connecting to the master (and registering staging) may take."""
     retry_after: float = attrs.field(default=1.0, validator=_seconds)
+    """Seconds the store is left alone after a failure before it is tried again."""
     replica_num: int = attrs.field(default=1, validator=_replicas)
     """Copies of each entry written (Mooncake's `ReplicateConfig.replica_num`), each on a
     different holder: with 2 or more, an entry survives the death of the holder of one copy."""

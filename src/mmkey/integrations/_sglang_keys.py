@@ -57,7 +57,7 @@ def sglang_digest(text: str, hashes: HashScheme = HashScheme.SGLANG) -> tuple[Ha
 def sglang_key(
     namespace: str, modality: Modality, text: str, hashes: HashScheme = HashScheme.SGLANG
 ) -> EmbeddingKey:
-    """The `EmbeddingKey` of SGLang hash text under `namespace` and `modality`.
+    """The `EmbeddingKey` of SGLang hash text under ``namespace`` and ``modality``.
 
     Remembers the last 8192 keys (keys are immutable): SGLang asks whether a hash exists,
     then fetches or stores it, so each key is built once.

@@ -12,7 +12,7 @@ once at start.
 Every SGLang hash text becomes an `EmbeddingKey` (see `sglang_digest`); every entry is a
 self-describing mmkey entry (dtype, shape, key echo, checksum) verified on read against
 the pool it lands in. Anything that does not verify, any store fault and any bad input is
-``False`` (a miss for SGLang), logged at a limited rate and counted in `stats`; no call
+``False`` (a miss for SGLang), logged at a limited rate and counted in ``stats``; no call
 raises into SGLang.
 
 Data path: the pools SGLang registers are registered with Mooncake, and a put sends each
@@ -115,7 +115,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
 
     Built with no arguments as SGLang builds backends (the environment configures it, and
     the plugin's configuration errors make it raise `SGLangConfigError`); `namespace`,
-    `config`, `hashes` and `tp_rank` override the environment, e.g. in tests. `hashes` is the
+    `config`, `hashes` and ``tp_rank`` override the environment, e.g. in tests. `hashes` is the
     scheme of SGLang's feature hashes (`HashScheme.SGLANG`, or `HashScheme.BLAKE3` under
     ``MMKEY_SGLANG_HASH=blake3``). Only the process that does SGLang's store I/O (TP rank 0:
     SGLang gates every store call on it) connects to Mooncake and registers memory; the
@@ -185,7 +185,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
     # -- SGLang's EmbeddingStore -----------------------------------------------------------
 
     def register_buffer(self, tensor: torch.Tensor) -> None:
-        """Record an embedding pool (its modality follows `REGISTRATION_ORDER`) and register
+        """Record an embedding pool (its modality follows ``REGISTRATION_ORDER``) and register
         its memory with the store, so puts send entries straight from its pages."""
         self._pools.register(tensor)
         with self._memo_lock:
@@ -209,7 +209,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         return sglang_key(self._namespace, REGISTRATION_ORDER[0], mm_hash, self._hashes).to_key()
 
     def key_for(self, mm_hash: str, modality: Modality) -> EmbeddingKey:
-        """The `EmbeddingKey` of `mm_hash` for a pool of `modality`."""
+        """The `EmbeddingKey` of `mm_hash` for a pool of ``modality``."""
         return sglang_key(self._namespace, modality, mm_hash, self._hashes)
 
     def batch_is_exist(self, hashes: list[str]) -> list[bool]:
@@ -243,7 +243,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
     # -- the rest of the store -------------------------------------------------------------
 
     def stats(self) -> CacheStats:
-        """Counters since creation. `hits` and `misses` count entries SGLang asked for;
+        """Counters since creation. ``hits`` and `misses` count entries SGLang asked for;
         `corrupt` includes entries whose dtype or shape did not fit the pool pages; `skipped`
         counts hashes and buffers refused without asking the store (bad text, unknown memory)
         and puts skipped because the store already held a verified entry for the hash."""
@@ -429,7 +429,7 @@ def _fits(entry: torch.Tensor, rows: list[torch.Tensor]) -> bool:
 
 def _does_io(tp_rank: int | None) -> bool:
     """Whether this process does the store I/O: TP rank 0, as SGLang's encoder gates it
-    (SGLang's runtime context when `tp_rank` is None; a process outside one does I/O)."""
+    (SGLang's runtime context when ``tp_rank`` is None; a process outside one does I/O)."""
     if tp_rank is None:
         try:
             from sglang.srt.runtime_context import get_parallel
@@ -479,7 +479,7 @@ def register_plugin() -> None:
     """SGLang general plugin: with ``MMKEY_SGLANG_BACKEND`` set to anything but ``0``,
     register `MMKeyEmbeddingStore` as the ``mooncake`` and ``mmkey`` embedding store
     backends, and make the encoder processes SGLang spawns (TP ranks above 0, DP workers) do
-    the same before they start (`cover_spawned_encoders`); otherwise do nothing.
+    the same before they start (``cover_spawned_encoders``); otherwise do nothing.
 
     Configuration errors (the switch's value, ``MMKEY_NAMESPACE``, ``MMKEY_SGLANG_HASH``, the
     Mooncake configuration, SGLang's version) are logged at ERROR and recorded: the store's

@@ -130,7 +130,7 @@ _MAX_ANNOUNCED = 1024
 def namespace_from_vllm_config(vllm_config: VllmConfig) -> str:
     """The namespace of a vLLM setup: what the model is, its multimodal config and dtype.
 
-    A local checkpoint is named by its contents (`checkpoint_identity`: config, processor
+    A local checkpoint is named by its contents (``checkpoint_identity``: config, processor
     configs, vision weights), so the same checkpoint at two paths shares entries and changed
     vision weights or preprocessing do not; a hub name by name and revision. Also covered:
     vLLM's hash of the encoder configuration, the processor kwargs (but ``device``, which
@@ -229,7 +229,7 @@ class MMKeyECStats(ECConnectorStats):
         self.data.clear()
 
     def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
-        """Sum the counters of `other` into these."""
+        """Sum the counters of ``other`` into these."""
         for name, value in other.data.items():
             if isinstance(value, (int, float)):
                 self.data[name] = self.data.get(name, 0) + value
@@ -428,7 +428,7 @@ class MMKeyECConnector(ECConnectorBase):
         return state
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Start fetching the request's items ahead of `num_computed_tokens`; ``False`` (vLLM
+        """Start fetching the request's items ahead of ``num_computed_tokens``; ``False`` (vLLM
         tries again next step) while any is unanswered, for at most the store's timeout, or
         ``producer_wait_s`` for items a producer announced but the store does not hold yet."""
         stager = self._stager
@@ -482,7 +482,7 @@ class MMKeyECConnector(ECConnectorBase):
         return True
 
     def has_cache_item(self, identifier: str) -> bool:
-        """Whether `identifier`'s entry is staged here: fetched, verified, of the right size.
+        """Whether ``identifier``'s entry is staged here: fetched, verified, of the right size.
 
         Never calls the store: items not asked for by `ensure_cache_available` are misses.
         """
@@ -529,7 +529,7 @@ class MMKeyECConnector(ECConnectorBase):
             self._shipped.pop(identifier, None)
 
     def update_state_after_free(self, request: Request, index: int) -> None:
-        """vLLM freed an item of `request`: release what is staged for it alone."""
+        """vLLM freed an item of ``request``: release what is staged for it alone."""
         state = self._requests.get(request.request_id)
         identifier = request.mm_features[index].identifier
         if state is not None and identifier in state.names:
@@ -566,7 +566,7 @@ class MMKeyECConnector(ECConnectorBase):
         return meta if isinstance(meta, MMKeyECMetadata) else None
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        """Put this step's staged tensors into `encoder_cache`, on this worker's device.
+        """Put this step's staged tensors into ``encoder_cache``, on this worker's device.
 
         The copies are asynchronous where the device allows (the staged memory is pinned):
         vLLM's next kernels on the stream wait for them.
@@ -607,7 +607,7 @@ class MMKeyECConnector(ECConnectorBase):
         return None, None
 
     def flush_saves(self, timeout: float) -> bool:
-        """Wait up to `timeout` s until the queued saves are written; ``True`` when none is left."""
+        """Wait up to ``timeout`` s until the queued saves are written; ``True`` when none is left."""
         return self._saver.flush(timeout) if self._saver is not None else True
 
     # -- stats and shutdown -----------------------------------------------------------------------
