@@ -51,7 +51,10 @@ class Table:
 
 def _numeric_row(line: str) -> tuple[str, list[tuple[int, int, str]]] | None:
     """``(label, [(start, end, number)])`` of a fixed-width row, or None if it is not one."""
-    plain = line.replace("|", " ")
+    plain = line.replace("|", " ").rstrip()
+    segments = re.split(r"(\s{2,})", plain)
+    if len(segments) > 2 and not re.match(r"-?\d", segments[-1]):
+        plain = "".join(segments[:-2])  # a note after the numbers ("target <= 1.5x", "met")
     match = _TRAILING_NUMBERS.match(plain)
     if match is None or not match.group("label"):
         return None

@@ -607,7 +607,8 @@ class MMKeyECConnector(ECConnectorBase):
         return None, None
 
     def flush_saves(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s until the queued saves are written; ``True`` when none is left."""
+        """Wait up to ``timeout`` s until the queued saves are written; ``True`` when none is
+        left."""
         return self._saver.flush(timeout) if self._saver is not None else True
 
     # -- stats and shutdown -----------------------------------------------------------------------
