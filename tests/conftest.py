@@ -69,12 +69,20 @@ _PROCESS_MODULES = frozenset(
 )
 
 
+# Modules that load the whole host on purpose (`mmkey.testing.busy_host`, staging up to 1 GiB):
+# `serial`, so `make test` runs them alone after the parallel pass, where their load cannot
+# slow other tests and other tests cannot add to it.
+_SERIAL_MODULES = frozenset({"test_mooncake_load.py"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _STORE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.mooncake)
         if item.path.name in _PROCESS_MODULES:
             item.add_marker(pytest.mark.slow)
+        if item.path.name in _SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
 
 
 # Mooncake's client threads keep reconnecting to the masters the tests stopped, and the

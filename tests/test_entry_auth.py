@@ -514,9 +514,9 @@ def test_a_secret_file_with_a_trailing_newline_is_refused_naming_the_fix(tmp_pat
     assert "printf %s" in str(info.value)
 
 
-def test_the_readme_command_makes_a_secret_file_that_loads(tmp_path: Path) -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    [command] = [line.strip() for line in readme.splitlines() if "token_hex(32)" in line]
+def test_the_documented_command_makes_a_secret_file_that_loads(tmp_path: Path) -> None:
+    guide = (Path(__file__).parents[1] / "docs" / "security.md").read_text()
+    [command] = [line.strip() for line in guide.splitlines() if "token_hex(32)" in line]
     subprocess.run(["sh", "-c", command], cwd=tmp_path, check=True)
     key_file = tmp_path / "entry.key"
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
