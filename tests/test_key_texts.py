@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from mmkey import EmbeddingKey, HashScheme, Modality, mm_hash
 from mmkey.cache._guard import key_texts
-from mmkey.cache._runner import CallTimeout, DeadlineRunner
+from mmkey.cache._runner import Call, CallTimeout, DeadlineRunner
 from mmkey.testing.strategies import embedding_keys
 
 
@@ -74,11 +74,19 @@ def test_a_call_settles_once_and_runs_its_callbacks() -> None:
     assert queued.cancel() and queued.cancelled() and queued.done()
     with pytest.raises(CallTimeout):
         queued.result(0)
-    running.add_done_callback(lambda c: seen.append(("running", c.result())))
+    called_back = threading.Event()
+
+    def on_done(c: Call[str]) -> None:
+        seen.append(("running", c.result()))
+        called_back.set()
+
+    running.add_done_callback(on_done)
     assert not running.cancel(), "a running call cannot be cancelled"
     assert not running.wait(0.01)
     release.set()
     assert running.result(5) == "ran" and running.exception() is None
+    # the worker wakes waiters first and runs the callbacks right after, on its own thread
+    assert called_back.wait(5)
     running.add_done_callback(lambda c: seen.append(("late", c.result())))  # at once
     assert seen == [("queued", True), ("running", "ran"), ("late", "ran")]
     failing = runner.submit(lambda: 1 // 0)
