@@ -201,7 +201,7 @@ def _public_bases(app: Sphinx, name: str, obj: object, options: object, bases: l
 
 def _plot(app: object) -> None:
     """Draw the speed tables of ``docs/benchmarks/*.txt`` into ``_generated`` before reading."""
-    plot_benchmarks.main([str(DOCS / "benchmarks"), str(DOCS / "_generated")])
+    plot_benchmarks.plot_all(DOCS / "benchmarks", DOCS / "_generated")
 
 
 def setup(app: Sphinx) -> None:

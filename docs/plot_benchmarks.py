@@ -180,15 +180,22 @@ def plot_table(table: Table, path: Path) -> None:
     plt.close(figure)
 
 
-def main(argv: Sequence[str]) -> int:
-    """Plot every table of every ``*.txt`` in ``argv[0]`` into ``argv[1]``; print what it drew."""
-    source, target = Path(argv[0]), Path(argv[1])
+def plot_all(source: Path, target: Path) -> list[tuple[Path, Table]]:
+    """Plot every table of every ``*.txt`` in ``source`` into ``target``; what it drew."""
     target.mkdir(parents=True, exist_ok=True)
+    drawn = []
     for output in sorted(source.glob("*.txt")):
         for number, table in enumerate(parse_tables(output.read_text()), start=1):
             path = target / f"{output.stem}-{number}.png"
             plot_table(table, path)
-            print(f"{path.name}: {table.title} ({len(table.rows)} rows)")
+            drawn.append((path, table))
+    return drawn
+
+
+def main(argv: Sequence[str]) -> int:
+    """Plot every table of every ``*.txt`` in ``argv[0]`` into ``argv[1]``; print what it drew."""
+    for path, table in plot_all(Path(argv[0]), Path(argv[1])):
+        print(f"{path.name}: {table.title} ({len(table.rows)} rows)")
     return 0
 
 
