@@ -90,3 +90,35 @@ def test_keys_are_safe_file_names_without_offload_rewrites(key: EmbeddingKey) ->
     text = key.to_key()
     assert not set(text) & set('/\\:*?"<>| \t\r\n')
     assert text.isascii() and text.isprintable()
+
+
+@st.composite
+def digest_batches(draw: st.DrawFn) -> tuple[EmbeddingKey, list[int]]:
+    """A key giving the shared parts, and digests in its scheme's range (bounds included)."""
+    key = draw(embedding_keys())
+    top = 2**key.scheme.bits - 1
+    digests = draw(st.lists(st.one_of(st.integers(0, top), st.sampled_from([0, 1, top])), max_size=40))
+    return key, digests
+
+
+@MANY
+@given(digest_batches())
+@example((EmbeddingKey("m", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(0)), [0, 2**128 - 1, 0]))
+@example((EmbeddingKey("%", Modality.AUDIO, HashScheme.SGLANG, mm_hash(0)), [5, 2**64 - 1]))
+def test_for_digests_fast_path_gives_exactly_the_constructors_keys(
+    batch: tuple[EmbeddingKey, list[int]],
+) -> None:
+    parts, digests = batch
+    shared = (parts.namespace, parts.modality, parts.scheme)
+    fast = EmbeddingKey.for_digests(*shared, [mm_hash(d) for d in digests])
+    slow = [EmbeddingKey(*shared, mm_hash(d)) for d in digests]
+    assert fast == slow
+    assert [type(k) for k in fast] == [EmbeddingKey] * len(slow)
+    assert [(k.namespace, k.modality, k.scheme, k.digest) for k in fast] == [
+        (k.namespace, k.modality, k.scheme, k.digest) for k in slow
+    ]
+    assert [type(k.digest) for k in fast] == [int] * len(slow)
+    assert [k.to_key() for k in fast] == [k.to_key() for k in slow]
+    assert [hash(k) for k in fast] == [hash(k) for k in slow]
+    assert [repr(k) for k in fast] == [repr(k) for k in slow]
+    assert [EmbeddingKey.from_key(k.to_key()) for k in fast] == slow

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.mooncake
 
 DEADLINE = 0.5
 BOUND = DEADLINE + 1.5  # scheduling noise, never a store hang (30 s)
+ROOMY = 5.0
+"""The deadline of tests that check what is stored, not how fast: a busy CI host can take
+longer than `DEADLINE` for a first multi-buffer put, which would be a counted miss there."""
 DIM = 64
 
 
@@ -37,7 +40,7 @@ def multi_buffer_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.fixture
 def cache(mooncake_master_session: MasterProcess) -> Iterator[MooncakeCache]:
     c = MooncakeCache(
-        local_config(mooncake_master_session, trusted_network=True, global_segment_size=256 * MiB, deadline=DEADLINE)
+        local_config(mooncake_master_session, trusted_network=True, global_segment_size=256 * MiB, deadline=ROOMY)
     )
     yield c
     c.close()
@@ -62,7 +65,7 @@ def test_pages_of_a_registered_pool_go_in_one_multi_buffer_put_and_read_back(
     mooncake_master_session: MasterProcess, multi_buffer_puts: list[int]
 ) -> None:
     src = pool(400)
-    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, deadline=DEADLINE)) as c:
+    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, deadline=ROOMY)) as c:
         c.register_memory(src)
         runs = [pages(src, (0, 30), (100, 6)), pages(src, (200, 50)), pages(src, (300, 1), (360, 40))]
         keys = [key(i) for i in range(3)]
@@ -87,7 +90,7 @@ def test_existing_keys_are_replaced_and_unregistered_memory_is_staged(
     mooncake_master_session: MasterProcess, multi_buffer_puts: list[int]
 ) -> None:
     registered, loose = pool(100, seed=1), pool(100, seed=2)
-    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, deadline=DEADLINE)) as c:
+    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, deadline=ROOMY)) as c:
         c.register_memory(registered)
         k_new, k_loose = key(100), key(101)
         assert c.insert_from([k_loose], [pages(loose, (0, 10), (50, 10))]) == [True]
@@ -185,7 +188,7 @@ def test_signed_entries_from_pages_verify_and_foreign_secrets_are_forged(
 ) -> None:
     ours, theirs = EntryKeyring.from_secrets(hashlib.sha256(b"a").hexdigest()), EntryKeyring.from_secrets(hashlib.sha256(b"b").hexdigest())
     src = pool(50, seed=5)
-    cfg = local_config(mooncake_master_session, trusted_network=True, deadline=DEADLINE)
+    cfg = local_config(mooncake_master_session, trusted_network=True, deadline=ROOMY)
     with MooncakeCache(cfg, keyring=ours) as writer, MooncakeCache(cfg, keyring=theirs) as other:
         writer.register_memory(src)
         k = key(500, namespace="paged-signed")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import operator
 import re
-from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from collections import deque
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -185,9 +187,12 @@ class EmbeddingKey:
         prefix = first._text[: -scheme.hex_width]
         width = _DIGEST_BYTES[scheme]
         limit = 1 << scheme.bits
+        rest = items[1:]
+        if rest and set(map(type, rest)) == {int} and min(rest) >= 0 and max(rest) < limit:
+            return [first, *_trusted_keys(namespace, modality, scheme, rest, prefix, width)]
         keys = [first]
         new, set_ = object.__new__, object.__setattr__
-        for digest in items[1:]:
+        for digest in rest:
             if type(digest) is not int or not 0 <= digest < limit:
                 mm_hash(digest, scheme)  # raises the precise error
                 digest = MMHash(int(digest))  # an int subclass: store the plain int
@@ -236,6 +241,31 @@ class EmbeddingKey:
         _set(key, "digest", int(hex_digest, 16))
         _set(key, "_text", text)
         return key
+
+
+_BIG: Literal["big"] = "big"
+_SLOT = {name: EmbeddingKey.__dict__[name] for name in ("namespace", "modality", "scheme", "digest", "_text")}
+
+
+def _trusted_keys(
+    namespace: str,
+    modality: Modality,
+    scheme: HashScheme,
+    digests: Sequence[int],
+    prefix: str,
+    width: int,
+) -> list[EmbeddingKey]:
+    """Keys for already-checked parts and in-range plain-int digests, built field by field
+    in C-level loops (no Python step per key); `prefix` is their shared key text before
+    the digest, `width` the digest's width in bytes."""
+    count = len(digests)
+    keys: list[EmbeddingKey] = list(map(object.__new__, repeat(EmbeddingKey, count)))
+    for name, value in (("namespace", namespace), ("modality", modality), ("scheme", scheme)):
+        deque(map(_SLOT[name].__set__, keys, repeat(value, count)), maxlen=0)
+    deque(map(_SLOT["digest"].__set__, keys, digests), maxlen=0)
+    hex_digits = map(bytes.hex, map(int.to_bytes, digests, repeat(width), repeat(_BIG)))
+    deque(map(_SLOT["_text"].__set__, keys, map(prefix.__add__, hex_digits)), maxlen=0)
+    return keys
 
 
 def _explain_mismatch(text: str) -> str:

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from mmkey.errors import StoreClosed, StoreError
 
@@ -195,8 +195,10 @@ class DeadlineRunner:
         except BaseException:
             self._abandon(call, abandoned)
             raise
-        if call._state == _DONE:
-            return call.result(0)
+        if call._state == _DONE:  # settled: the gate opened after the outcome was set
+            if call._error is not None:
+                raise call._error
+            return call._value  # type: ignore[return-value]  # set with the state
         self._abandon(call, abandoned)
         if self._closing:
             raise StoreClosed("the store was closed while this call waited")
@@ -275,17 +277,22 @@ class Breaker:
 
     def allow(self) -> bool:
         """Whether a call may go to the store now; a trial call re-arms the wait."""
+        if self._open_until is None:  # closed: one attribute read, no lock
+            return True
         with self._lock:
-            if self._open_until is None:
+            until = cast("float | None", self._open_until)  # read again: another thread may close it
+            if until is None:
                 return True
             now = self._clock()
-            if now < self._open_until:
+            if now < until:
                 return False
             self._open_until = now + self._retry_after  # one trial per period
             return True
 
     def success(self) -> None:
         """A call succeeded: close the breaker."""
+        if self._open_until is None:  # already closed
+            return
         with self._lock:
             self._open_until = None
 

@@ -39,7 +39,8 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from itertools import chain
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import attrs
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
@@ -326,6 +327,10 @@ class MMKeyEmbeddingStore(EmbeddingStore):
 
     def _exist(self, hashes: list[str]) -> list[bool]:
         assert self._cache is not None
+        with self._memo_lock:
+            single = _one_key_each(self._lookups, hashes)
+        if single is not None:  # every hash remembered with one key: no per-hash step
+            return self._cache.batch_is_exist(single) if single else []
         keys: list[EmbeddingKey] = []
         owners: list[int] = []
         with self._memo_lock:
@@ -407,6 +412,25 @@ def _hash_hooks_installed() -> bool:
 _V = TypeVar("_V")
 _KNOWN_HASHES = 8192
 """How many hashes' pool modalities (and lookup keys) a store remembers."""
+
+
+def _one_key_each(
+    lookups: dict[str, tuple[EmbeddingKey, ...]], hashes: list[str]
+) -> list[EmbeddingKey] | None:
+    """The one remembered lookup key of each hash, in order, when every hash has exactly
+    one remembered (C-level loops only); ``None`` otherwise (the caller goes hash by hash)."""
+    try:
+        groups = list(map(lookups.get, hashes))
+    except TypeError:  # an unhashable item: the per-hash path refuses it
+        return None
+    if not groups:
+        return []
+    if None in groups:
+        return None
+    remembered = cast("list[tuple[EmbeddingKey, ...]]", groups)
+    if set(map(len, remembered)) != {1}:
+        return None
+    return list(chain.from_iterable(remembered))
 
 
 def _bounded_set(memo: dict[str, _V], text: str, value: _V) -> None:
