@@ -130,7 +130,7 @@ static-checks: $(VENV)/.dev
 SGLANG_PYTHON ?= python3.11
 SGLANG_VENV := .venv-sglang
 SGLANG_TESTS := tests/test_sglang_store.py tests/test_sglang_plugin.py tests/test_sglang_keys.py tests/test_sglang_pools.py \
-    tests/test_sglang_settings.py
+    tests/test_sglang_settings.py tests/test_sglang_lookup.py
 
 $(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml
 	sh scripts/install-system-deps.sh
