@@ -13,7 +13,7 @@ import attrs
 
 from mmkey._net import check_address_field
 
-__all__ = ["MooncakeConfig", "parse_size"]
+__all__ = ["MooncakeConfig", "parse_replica_num", "parse_size", "read_json_config"]
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(kb|mb|gb|tb|k|m|g|t|b)?", re.ASCII | re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -175,11 +175,8 @@ class MooncakeConfig:
         for name in ("global_segment_size", "local_buffer_size", "max_entry_size"):
             if name in fields:
                 fields[name] = parse_size(fields[name], name)
-        if isinstance(fields.get("replica_num"), str):
-            text = fields["replica_num"].strip()
-            if not (text.isascii() and text.isdigit()):
-                raise ValueError(f"MOONCAKE_REPLICA_NUM must be a whole number >= 1, got {text!r}")
-            fields["replica_num"] = int(text)
+        if "replica_num" in fields:
+            fields["replica_num"] = parse_replica_num(fields["replica_num"])
         return cls(**fields)
 
     def setup_args(self) -> tuple[str, str, int, int, str, str, str]:
@@ -215,12 +212,28 @@ _FILE_FIELDS = frozenset(_ENV_FIELDS.values())
 """A config file holds the same fields as the environment variables, by Mooncake's names."""
 
 
-def _read_config_file(path: str) -> dict[str, Any]:
+def read_json_config(path: str, variable: str = "MOONCAKE_CONFIG_PATH") -> dict[str, Any]:
+    """The JSON object in the config file at `path` (named by the environment variable
+    ``variable``, for the error); `ValueError` when it cannot be read or is not an object."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: cannot read a JSON config: {exc}") from None
+        raise ValueError(f"{variable}={path!r}: cannot read a JSON config: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: expected a JSON object")
-    return {k: v for k, v in data.items() if k in _FILE_FIELDS}
+        raise ValueError(f"{variable}={path!r}: expected a JSON object")
+    return data
+
+
+def parse_replica_num(value: object) -> object:
+    """``MOONCAKE_REPLICA_NUM`` text as an int; any other value is left to the field's check."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"MOONCAKE_REPLICA_NUM must be a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    return {k: v for k, v in read_json_config(path).items() if k in _FILE_FIELDS}

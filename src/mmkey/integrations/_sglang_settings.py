@@ -22,7 +22,6 @@ backend either: the store talks to the master itself, so a master is required.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -31,7 +30,7 @@ from typing import Any
 
 import attrs
 
-from mmkey.cache.mooncake_config import MooncakeConfig, parse_size
+from mmkey.cache.mooncake_config import MooncakeConfig, parse_replica_num, parse_size, read_json_config
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.errors import InvalidKey
 from mmkey.keys import EmbeddingKey
@@ -244,11 +243,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings
         for name in ("global_segment_size", "local_buffer_size"):
             if name in fields:
                 fields[name] = parse_size(fields[name], name)
-        if isinstance(fields.get("replica_num"), str):
-            text = fields["replica_num"].strip()
-            if not (text.isascii() and text.isdigit()):
-                raise ValueError(f"MOONCAKE_REPLICA_NUM must be a whole number >= 1, got {text!r}")
-            fields["replica_num"] = int(text)
+        if "replica_num" in fields:
+            fields["replica_num"] = parse_replica_num(fields["replica_num"])
         # mmkey's own MMKEY_* settings of a Mooncake cache come from MooncakeConfig.from_env,
         # with every Mooncake field above given: nothing of Mooncake's is read twice
         mmkey_only = {k: v for k, v in env.items() if k.startswith("MMKEY_")}
@@ -259,13 +255,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings
 
 def _read_file(path: str) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise SGLangConfigError(f"{SGLANG_CONFIG_ENV}={path!r}: cannot read a JSON config: {exc}") from None
-    if not isinstance(data, dict):
-        raise SGLangConfigError(f"{SGLANG_CONFIG_ENV}={path!r}: expected a JSON object")
-    return data
+        return read_json_config(path, SGLANG_CONFIG_ENV)
+    except ValueError as exc:
+        raise SGLangConfigError(str(exc)) from None
 
 
 def _deadline(env: Mapping[str, str]) -> float:
