@@ -69,10 +69,12 @@ _PROCESS_MODULES = frozenset(
 )
 
 
-# Modules that load the whole host on purpose (`mmkey.testing.busy_host`, staging up to 1 GiB):
+# Modules that load the whole host on purpose (`mmkey.testing.busy_host`, staging up to 1 GiB),
+# and the fleet tests, whose holders must keep their heartbeats to the master while one of
+# them is paused (on a crowded 2-core host a healthy holder's segment was dropped too):
 # `serial`, so `make test` runs them alone after the parallel pass, where their load cannot
 # slow other tests and other tests cannot add to it.
-_SERIAL_MODULES = frozenset({"test_mooncake_load.py"})
+_SERIAL_MODULES = frozenset({"test_mooncake_load.py", "test_mooncake_fleet.py"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
