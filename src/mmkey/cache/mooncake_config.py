@@ -213,7 +213,7 @@ _FILE_FIELDS = frozenset(_ENV_FIELDS.values())
 
 
 def read_json_config(path: str, variable: str = "MOONCAKE_CONFIG_PATH") -> dict[str, Any]:
-    """The JSON object in the config file at `path` (named by the environment variable
+    """The JSON object in the config file at ``path`` (named by the environment variable
     ``variable``, for the error); `ValueError` when it cannot be read or is not an object."""
     try:
         with open(path, encoding="utf-8") as f:
