@@ -9,10 +9,11 @@ one key per call.
 The buffer is allocated once, already faulted in (``MAP_POPULATE``), and registered when
 the store is set up (`Staging.prepare`, at construction), so no call pays for fresh memory:
 on a host where other processes churn memory, a page fault there costs far more than the
-copy that triggers it. Writes copy each payload with one ``memmove`` (`stage_entry`):
-torch's ``copy_`` splits a 64 KiB copy across its OpenMP threads, and on a CPU-saturated
-host each such copy waited about a millisecond for a descheduled thread (measured: 256
-copies took 216 ms median against 6.7 ms for ``memmove``).
+copy that triggers it. Writes copy each payload through the codec's chunked copy while it
+seals the entry (`stage_entry`), never torch's ``copy_``: that splits a 64 KiB copy across
+its OpenMP threads, and on a CPU-saturated host each such copy waited about a millisecond
+for a descheduled thread (measured: 256 copies took 216 ms median against 6.7 ms for a
+plain ``memmove``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import mmap
 import threading
 from typing import TYPE_CHECKING
 
-from mmkey.cache.codec import encode_entry_into, entry_header
+from mmkey.cache.codec import encode_entry_into
 from mmkey.errors import StoreError
 
 if TYPE_CHECKING:
@@ -86,37 +87,13 @@ def faulted_in(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 
-def _plain(tensor: torch.Tensor) -> bool:
-    """Whether `tensor`'s bytes are its entry's payload as they lie in memory."""
-    import torch
-
-    return (
-        tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and tensor.is_contiguous()
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    )
-
-
 def stage_entry(
     staging: Staging, at: int, size: int, text: str, tensor: torch.Tensor, keyring: EntryKeyring | None
 ) -> None:
     """Write the entry of `tensor` under key text `text` into prepared `staging` at offset
-    `at`; `size` is its `entry_size`. A plain CPU tensor is sealed where it lies and its
-    bytes copied with one ``memmove``; any other goes through `encode_entry_into`."""
-    if not _plain(tensor):
-        encode_entry_into(staging.view_prepared()[at : at + size], text, tensor, keyring=keyring)
-        return
-    head = entry_header(text, tensor, keyring=keyring)
-    payload = size - len(head)
-    if payload != tensor.numel() * tensor.element_size() or at + size > staging.nbytes:
-        raise StoreError(f"entry of {text!r} does not fit its staging slot")
-    ptr = staging.ptr + at
-    ctypes.memmove(ptr, head, len(head))
-    if payload:
-        ctypes.memmove(ptr + len(head), tensor.data_ptr(), payload)
+    `at`; `size` is its `entry_size`. The codec copies the payload chunk by chunk while it
+    seals it (no torch copy, whose threads stall on a busy host)."""
+    encode_entry_into(staging.view_prepared()[at : at + size], text, tensor, keyring=keyring)
 
 
 class Staging:
