@@ -116,6 +116,15 @@ def tokens(result: dict[str, Any], round_index: int = 0) -> list[list[int]]:
     return [r["tokens"] for r in result["rounds"][round_index]]
 
 
+def assert_served(result: object, reference: list[list[int]], *, encoded: int, loaded: int) -> None:
+    """The run's outputs equal the reference, its tower encoded `encoded` images and its
+    worker loaded `loaded` embeddings from the store."""
+    assert isinstance(result, dict)
+    assert tokens(result) == reference
+    assert result["tower_images"] == encoded
+    assert result["worker_totals"].get("loaded", 0) == loaded
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """The tokens of a run without the connector."""
@@ -139,10 +148,7 @@ def test_a_second_engine_loads_every_image_and_never_runs_the_tower(
     assert first["tower_images"] == DISTINCT_IMAGES
     assert first["worker_totals"].get("saved", 0) == DISTINCT_IMAGES
     second = run_engine(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
-    assert isinstance(second, dict)
-    assert tokens(second) == reference
-    assert second["tower_images"] == 0
-    assert second["worker_totals"].get("loaded", 0) == DISTINCT_IMAGES
+    assert_served(second, reference, encoded=0, loaded=DISTINCT_IMAGES)
 
 
 def test_a_corrupted_entry_is_encoded_again_and_the_engine_survives(
@@ -154,10 +160,7 @@ def test_a_corrupted_entry_is_encoded_again_and_the_engine_survives(
     flipped = corrupt_one_entry(fleet, ns)
     assert flipped
     second = run_engine(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
-    assert isinstance(second, dict)
-    assert tokens(second) == reference
-    assert second["tower_images"] == 1  # only the corrupted one
-    assert second["worker_totals"].get("loaded", 0) == DISTINCT_IMAGES - 1
+    assert_served(second, reference, encoded=1, loaded=DISTINCT_IMAGES - 1)  # only the corrupted one encoded
 
 
 def corrupt_one_entry(fleet: Fleet, namespace: str) -> bool:
@@ -267,9 +270,7 @@ def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
     announced = [p for p in json.loads(params.read_text()) if p]
     assert announced and all(p["mmkey"]["encoded"] for p in announced)
     result = finish(consumer, tmp_path, "consumer")
-    assert tokens(result) == reference
-    assert result["tower_images"] == 0
-    assert result["worker_totals"].get("loaded", 0) == DISTINCT_IMAGES
+    assert_served(result, reference, encoded=0, loaded=DISTINCT_IMAGES)
 
 
 def test_the_same_checkpoint_at_another_path_shares_entries(
