@@ -37,7 +37,7 @@ from mmkey import (
     Modality,
     mm_hash,
 )
-from mmkey.cache.codec import decode_entry, decode_entry_into, encode_entry
+from mmkey.entry.codec import decode_entry, decode_entry_into, encode_entry
 
 ENTRY_SIZES = (64 << 10, 256 << 10, 1 << 20, 8 << 20)
 BATCHES = (1, 32, 1000)

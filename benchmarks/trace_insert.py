@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-import mmkey.cache.mooncake as mc
+import mmkey.cache.mooncake._cache as mc
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
-from mmkey.cache import _mooncake_staging, _mooncake_transport
+from mmkey.cache.mooncake import _staging as _mooncake_staging, _transport as _mooncake_transport
 from mmkey.testing.busy_host import busy_host
 from mmkey.testing.mooncake_master import running_master
 

@@ -183,7 +183,15 @@ def _resolve_loosely(
     if home is not None and home in domain.objects:
         entry = domain.objects[home]
         return make_refnode(app.builder, node["refdoc"], entry.docname, entry.node_id, contnode, home)
-    matches = domain.find_obj(env, node.get("py:module"), node.get("py:class"), target, node.get("reftype"), 1)
+    found = domain.find_obj(env, node.get("py:module"), node.get("py:class"), target, node.get("reftype"), 1)
+    # one object under its documented name and its defining module's (an alias such as
+    # ``mmkey.cache.mooncake._cache.MooncakeCache``) is one match; a bare word never names a
+    # module by its last part (``config`` is not ``mmkey.cache.mooncake.config``)
+    matches = [
+        (name, entry)
+        for name, entry in found
+        if not entry.aliased and not (entry.objtype == "module" and "." not in target)
+    ]
     if len(matches) != 1:
         return None
     name, entry = matches[0]

@@ -41,7 +41,7 @@ from mmkey import (
     MemoryCache,
     TieredCache,
 )
-from mmkey.demo import StreamConfig, TinyVisionEncoder, VisionConfig, synthetic_requests
+from mmkey.cli.demo import StreamConfig, TinyVisionEncoder, VisionConfig, synthetic_requests
 from mmkey.encoder import EncodeReport, aencode_with_cache_report
 
 _HEADER = struct.Struct(">I")

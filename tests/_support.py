@@ -14,7 +14,7 @@ import pytest
 if TYPE_CHECKING:
     from mooncake.store import MooncakeDistributedStore
 
-    from mmkey.cache.mooncake_config import MooncakeConfig
+    from mmkey.cache.mooncake.config import MooncakeConfig
     from mmkey.testing.mooncake_master import MasterProcess
 
 __all__ = [
@@ -62,7 +62,7 @@ def require_stack(module: str, *, stack: str, require_env: str, make_target: str
 def local_config(master: MasterProcess, **overrides: Any) -> MooncakeConfig:
     """A `MooncakeConfig` for a store on a test master: a small segment and buffer, a quick
     setup and retry; ``overrides`` win."""
-    from mmkey.cache.mooncake_config import MooncakeConfig
+    from mmkey.cache.mooncake.config import MooncakeConfig
 
     fields: dict[str, Any] = {
         "master_server_address": master.address,

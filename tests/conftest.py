@@ -40,7 +40,7 @@ def _forget_the_entry_secret_taken_from_the_environment() -> object:
     """A secret read from ``MMKEY_ENTRY_KEY`` stays with the process once the variable is
     removed; each test starts without one."""
     yield
-    from mmkey.cache import auth
+    from mmkey.entry import auth
 
     auth._forget_taken_secret()
 

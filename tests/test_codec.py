@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mmkey import CorruptEntry, EmbeddingKey, HashScheme, InvalidKey, Modality, mm_hash
-from mmkey.cache.codec import (
+from mmkey.entry.codec import (
     DTYPE_CODES,
     HEADER_ALIGN,
     MAGIC,
@@ -26,7 +26,7 @@ from mmkey.cache.codec import (
     entry_size,
     peek_header,
 )
-from mmkey.cache.codec import _CHUNK, _DIGEST_AT
+from mmkey.entry.codec import _CHUNK, _DIGEST_AT
 
 KEY = EmbeddingKey("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(7)).to_key()
 OTHER = EmbeddingKey("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(8)).to_key()
@@ -284,7 +284,7 @@ def test_wrong_argument_types_name_the_fix() -> None:
 
 
 def test_importing_the_codec_loads_neither_torch_nor_xxhash() -> None:
-    code = "import sys, mmkey.cache.codec; print('torch' in sys.modules, 'xxhash' in sys.modules)"
+    code = "import sys, mmkey.entry.codec; print('torch' in sys.modules, 'xxhash' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 

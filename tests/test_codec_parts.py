@@ -19,9 +19,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import mmkey.cache.codec as codec
+import mmkey.entry.codec as codec
 from mmkey import CorruptEntry, EntryKeyring, InvalidKey
-from mmkey.cache.codec import (
+from mmkey.entry.codec import (
     DTYPE_CODES,
     EntryHeader,
     decode_entry,

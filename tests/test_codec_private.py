@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-import mmkey.cache.codec as codec
+import mmkey.entry.codec as codec
 from mmkey import CorruptEntry, EntryKeyring, ForgedEntry
-from mmkey.cache.codec import (
+from mmkey.entry.codec import (
     decode_entry,
     decode_entry_into,
     encode_entry,

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from mmkey.cache._runner import Breaker, CallTimeout, DeadlineRunner
+from mmkey._deadline import Breaker, CallTimeout, DeadlineRunner
 from mmkey.errors import StoreError
 
 

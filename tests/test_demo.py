@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmkey import MemoryCache
-from mmkey.demo import (
+from mmkey.cli.demo import (
     StreamConfig,
     TinyVisionEncoder,
     VisionConfig,
@@ -15,7 +15,7 @@ from mmkey.demo import (
     run_demo,
     synthetic_requests,
 )
-from mmkey.demo.stream import synthetic_image
+from mmkey.cli.demo.stream import synthetic_image
 from mmkey.encoder import EncodeReport, hashes_from_features
 
 SMALL = VisionConfig(dim=32, depth=1, heads=2, out_dim=48)

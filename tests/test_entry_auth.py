@@ -24,7 +24,7 @@ import xxhash
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-import mmkey.cache.codec as codec
+import mmkey.entry.codec as codec
 from mmkey import (
     CorruptEntry,
     EmbeddingKey,
@@ -37,14 +37,14 @@ from mmkey import (
     TieredCache,
     mm_hash,
 )
-from mmkey.cache.auth import (
+from mmkey.entry.auth import (
     ENV_AUTH,
     ENV_MIGRATE_UNTIL,
     ENV_PREVIOUS,
     ENV_SECRET,
     ENV_SECRET_FILE,
 )
-from mmkey.cache.codec import (
+from mmkey.entry.codec import (
     FLAG_AUTHENTICATED,
     FLAG_ISSUED_AT,
     decode_entry,
@@ -545,7 +545,7 @@ def test_auth_modes_for_a_shared_store(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`keyring_for_cache` as a cache over a shared store calls it."""
-    from mmkey.cache.auth import FROM_ENV, keyring_for_cache
+    from mmkey.entry.auth import FROM_ENV, keyring_for_cache
 
     caplog.set_level(logging.WARNING, "mmkey.cache.auth")
     assert keyring_for_cache(FROM_ENV, "Cache", shared=True) is None  # unset: today's default

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mmkey import AsyncCache, EmbeddingKey, MemoryCache
-from mmkey.demo import StreamConfig, TinyVisionEncoder, VisionConfig, synthetic_requests
+from mmkey.cli.demo import StreamConfig, TinyVisionEncoder, VisionConfig, synthetic_requests
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "encode_server.py"
 sys.path.insert(0, str(EXAMPLE.parent))

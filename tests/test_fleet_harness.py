@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mmkey.holder import HolderSpec
+from mmkey.cache.mooncake.holder import HolderSpec
 from mmkey.testing.fleet import (
     Fleet,
     FleetStartError,

@@ -47,9 +47,16 @@ def test_hash_bytes_does_not_load_torch() -> None:
 
 def test_import_mmkey_leaves_the_mooncake_client_unloaded_until_named() -> None:
     loaded = imported_after("import mmkey")
-    assert not {"mmkey.cache.mooncake", "mmkey.cache._mooncake_transport"} & loaded
+    assert not {"mmkey.cache.mooncake._cache", "mmkey.cache.mooncake._transport"} & loaded
     named = imported_after("import mmkey\nmmkey.MooncakeCache")
-    assert "mmkey.cache.mooncake" in named  # the control: naming it loads it
+    assert "mmkey.cache.mooncake._cache" in named  # the control: naming it loads it
+
+
+def test_the_mooncake_package_loads_its_client_only_when_named() -> None:
+    loaded = imported_after("import mmkey.cache.mooncake")
+    assert not {"mmkey.cache.mooncake._cache", "mmkey.cache.mooncake._transport"} & loaded
+    named = imported_after("from mmkey.cache.mooncake import MooncakeCache")
+    assert "mmkey.cache.mooncake._cache" in named  # the control
 
 
 def test_the_library_never_imports_the_cli_extra() -> None:

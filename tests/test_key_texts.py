@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from mmkey import EmbeddingKey, HashScheme, Modality, mm_hash
 from mmkey.cache._guard import key_texts
-from mmkey.cache._runner import Call, CallTimeout, DeadlineRunner
+from mmkey._deadline import Call, CallTimeout, DeadlineRunner
 from mmkey.testing.strategies import embedding_keys
 
 

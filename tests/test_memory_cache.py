@@ -18,7 +18,7 @@ from mmkey import (
     StoreClosed,
     mm_hash,
 )
-from mmkey.cache.codec import entry_size
+from mmkey.entry.codec import entry_size
 
 
 def key(i: int, namespace: str = "vit") -> EmbeddingKey:

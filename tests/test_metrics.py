@@ -22,7 +22,7 @@ from mmkey import (
     TieredCache,
     mm_hash,
 )
-from mmkey.cache.codec import entry_size
+from mmkey.entry.codec import entry_size
 from mmkey.cache.health import CacheHealth, ReportsHealth, health_of
 from mmkey.metrics import COUNTERS, OPERATIONS, MeteredCache
 

@@ -25,8 +25,8 @@ from mmkey import (
     TieredCache,
     mm_hash,
 )
-from mmkey.cache.auth import ENV_SECRET, FROM_ENV
-from mmkey.cache.codec import encode_entry, entry_size
+from mmkey.entry.auth import ENV_SECRET, FROM_ENV
+from mmkey.entry.codec import encode_entry, entry_size
 from mmkey.testing.mooncake_master import MasterProcess
 from _support import local_config, raw_client
 

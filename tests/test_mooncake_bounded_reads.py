@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mmkey import EmbeddingKey, EntryKeyring, HashScheme, Modality, MooncakeCache, mm_hash
-from mmkey.cache._mooncake_staging import MIN_SLOT
+from mmkey.cache.mooncake._staging import MIN_SLOT
 from mmkey.testing.mooncake_master import MasterProcess
 from _support import MiB, local_config, raw_client
 

@@ -25,7 +25,7 @@ from mmkey import (
     StoreError,
     mm_hash,
 )
-from mmkey.cache.codec import encode_entry
+from mmkey.entry.codec import encode_entry
 from mmkey.testing.mooncake_master import MasterProcess
 from _support import local_config, raw_client, timed, wait_until
 
@@ -379,7 +379,7 @@ def test_close_with_a_hung_master_returns_within_the_setup_deadline(
     with pytest.raises(StoreClosed):
         c.get_embeddings([key(13_000)])
     mooncake_master.resume()
-    from mmkey.cache._mooncake_transport import close_abandoned
+    from mmkey.cache.mooncake._transport import close_abandoned
 
     assert c._transport.join(40) and close_abandoned() == 1  # before the master stops
 

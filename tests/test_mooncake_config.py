@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from mmkey.cache.mooncake_config import MooncakeConfig, parse_size
+from mmkey.cache.mooncake.config import MooncakeConfig, parse_size
 
 
 def test_defaults_use_mooncake_names_and_a_p2p_handshake() -> None:

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
-from mmkey.cache._master_ping import master_answers
-from mmkey.cache._mooncake_transport import close_abandoned
-from mmkey.cache._mooncake_staging import MIN_SLOT, ReadSlots
+from mmkey.cache.mooncake._ping import master_answers
+from mmkey.cache.mooncake._transport import close_abandoned
+from mmkey.cache.mooncake._staging import MIN_SLOT, ReadSlots
 from mmkey.testing.mooncake_master import MasterProcess
 from _support import local_config, timed, wait_until
 
@@ -470,7 +470,7 @@ def test_inserts_wait_for_the_callers_streams_on_the_worker(
 ) -> None:
     # CUDA tensors: host_ready records an event on the caller's thread, the worker waits
     # on it before reading; the CPU part of that hand-over is checked here everywhere
-    import mmkey.cache.mooncake as module
+    import mmkey.cache.mooncake._cache as module
     from mmkey._tensors import host_ready as real
 
     seen: list[tuple[str, str]] = []

@@ -21,9 +21,9 @@ import torch
 
 from _support import MiB, local_config, raw_client
 from mmkey import EmbeddingKey, EntryKeyring, HashScheme, Modality, MooncakeCache, mm_hash
-from mmkey.cache._mooncake_staging import Staging, faulted_in, stage_entry
-from mmkey.cache._mooncake_transport import TRANSFER_LANES
-from mmkey.cache.codec import encode_entry
+from mmkey.cache.mooncake._staging import Staging, faulted_in, stage_entry
+from mmkey.cache.mooncake._transport import TRANSFER_LANES
+from mmkey.entry.codec import encode_entry
 from mmkey.testing.busy_host import busy_host
 from mmkey.testing.mooncake_master import MasterProcess
 

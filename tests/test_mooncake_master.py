@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mmkey import _net
-from mmkey._net import parse_host_port, port_accepts, wait_port_open
+from mmkey.cache.mooncake import _net
+from mmkey.cache.mooncake._net import parse_host_port, port_accepts, wait_port_open
 from mmkey.testing import mooncake_master as mm
 from mmkey.testing.mooncake_master import MasterProcess, MasterStartError, running_master
 from mmkey.testing.pytest_plugin import _require_master
@@ -73,7 +73,7 @@ def _wait_ready(master: MasterProcess, seconds: float = 5.0) -> bool:
     return False
 
 
-# -- mmkey._net -----------------------------------------------------------------------------
+# -- mmkey.cache.mooncake._net -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("address", "expected"),
     [

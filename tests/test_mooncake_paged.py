@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmkey import EmbeddingKey, EntryKeyring, HashScheme, Modality, MooncakeCache, StoreClosed, mm_hash
-from mmkey.cache.codec import encode_entry
+from mmkey.entry.codec import encode_entry
 from mmkey.testing.mooncake_master import MasterProcess
 from _support import MiB, count_multi_buffer_puts, local_config, timed, wait_until
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from mmkey.cache._mooncake_transport import TRANSFER_LANES, StoreTransport
-from mmkey.cache.mooncake_config import MooncakeConfig
+from mmkey.cache.mooncake._transport import TRANSFER_LANES, StoreTransport
+from mmkey.cache.mooncake.config import MooncakeConfig
 
 
 class NeverSetUp:
@@ -67,7 +67,7 @@ def test_distinct_lanes_within_one_round(transport: StoreTransport) -> None:
 
 
 def test_skips_are_logged_at_most_once_per_period(caplog: pytest.LogCaptureFixture) -> None:
-    from mmkey.cache import mooncake
+    from mmkey.cache.mooncake import _cache as mooncake
 
     log = mooncake._SummaryLog("Mooncake calls answered as misses without the store: %s")
     with caplog.at_level("WARNING", logger="mmkey.cache.mooncake"):

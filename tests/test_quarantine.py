@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mmkey.cache._quarantine import Quarantine
+from mmkey.cache.mooncake._quarantine import Quarantine
 
 
 class FakeClock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmkey.cache.store_usage import StoreUsage, parse_master_metrics, read_master_usage
+from mmkey.cache.mooncake.usage import StoreUsage, parse_master_metrics, read_master_usage
 from mmkey.testing.mooncake_master import MasterProcess
 
 SAMPLE = """# HELP master_key_count Total number of keys managed by the master

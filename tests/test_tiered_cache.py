@@ -23,7 +23,7 @@ from mmkey import (
     TieredCache,
     mm_hash,
 )
-from mmkey.cache.codec import entry_size
+from mmkey.entry.codec import entry_size
 
 
 def key(i: int) -> EmbeddingKey:

@@ -38,7 +38,7 @@ require_vllm()
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 
 from mmkey import HashScheme, Modality, MooncakeCache, identifier_digest  # noqa: E402
-from mmkey.cache.codec import encode_entry  # noqa: E402
+from mmkey.entry.codec import encode_entry  # noqa: E402
 from mmkey.integrations.vllm import (  # noqa: E402
     MMKeyECConnector,
     MMKeyECMetadata,

@@ -17,7 +17,13 @@ import textwrap
 import mmkey
 from mmkey import EmbeddingKey, HashScheme, Modality, hash_bytes, identifier_digest
 
-NEEDS_TORCH = ("mmkey.demo", "mmkey.encoder", "mmkey.integrations")
+NEEDS_TORCH = (
+    "mmkey.cli.demo.run",
+    "mmkey.cli.demo.stream",
+    "mmkey.cli.demo.vision",
+    "mmkey.encoder",
+    "mmkey.integrations",
+)
 """Packages that hold tensor code by nature; every other module imports without torch."""
 
 _BLOCK_TORCH = """

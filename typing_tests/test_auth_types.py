@@ -9,8 +9,8 @@ import torch
 from typing_extensions import assert_type
 
 from mmkey import EntryKeyring, EntrySecret, MemoryCache, MooncakeCache, MooncakeConfig
-from mmkey.cache.auth import FROM_ENV
-from mmkey.cache.codec import decode_entry, encode_entry, entry_size, verify_entry, verify_entry_into
+from mmkey.entry.auth import FROM_ENV
+from mmkey.entry.codec import decode_entry, encode_entry, entry_size, verify_entry, verify_entry_into
 from mmkey.errors import ForgedEntry
 
 

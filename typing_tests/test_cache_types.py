@@ -16,7 +16,7 @@ from mmkey import (
     mm_hash,
 )
 from mmkey.cache._guard import insert_args, key_texts
-from mmkey.cache.codec import (
+from mmkey.entry.codec import (
     EntryHeader,
     decode_entry,
     encode_entry,

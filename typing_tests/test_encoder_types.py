@@ -19,7 +19,7 @@ from mmkey import (
     MMHash,
     Modality,
 )
-from mmkey.demo import TinyVisionEncoder
+from mmkey.cli.demo import TinyVisionEncoder
 from mmkey.encoder import (
     EncodeReport,
     EncodeResult,

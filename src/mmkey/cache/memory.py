@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mmkey.cache._guard import insert_args, key_texts
-from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
-from mmkey.cache.codec import encode_entry, verify_entry
+from mmkey.entry.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
+from mmkey.entry.codec import encode_entry, verify_entry
 from mmkey.cache.protocol import CacheStats
 from mmkey.errors import CorruptEntry, ForgedEntry, StoreClosed
 from mmkey.keys import CacheKey
@@ -24,13 +24,13 @@ __all__ = ["MemoryCache"]
 class MemoryCache:
     """A thread-safe LRU of encoded entries holding at most `max_bytes` entry bytes.
 
-    Entries are stored encoded (`mmkey.cache.codec`), so every read is verified and a
+    Entries are stored encoded (`mmkey.entry.codec`), so every read is verified and a
     tensor mutated after `insert_batch` or after `get_embeddings` never changes what the
     cache holds. An entry larger than the whole budget is refused (``False``). Within one
     batch a repeated key is written in order: the last write wins.
 
     `keyring` signs every entry and serves only entries whose MAC verifies (see
-    `mmkey.cache.auth`); by default it comes from ``MMKEY_ENTRY_KEY_FILE`` /
+    `mmkey.entry.auth`); by default it comes from ``MMKEY_ENTRY_KEY_FILE`` /
     ``MMKEY_ENTRY_KEY``, and ``keyring=None`` turns authentication off.
     """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from mmkey.cli.bench import bench
-from mmkey.cli.demo import demo
+from mmkey.cli.demo.command import demo
 from mmkey.cli.hashfiles import hash_files
 from mmkey.cli.holder import holder
 from mmkey.cli.keys import key

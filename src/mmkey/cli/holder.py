@@ -48,8 +48,8 @@ def holder(
     MOONCAKE_DEVICE, MOONCAKE_TE_META_DATA_SERVER, MOONCAKE_GLOBAL_SEGMENT_SIZE,
     MOONCAKE_LOCAL_HOSTNAME or MOONCAKE_CONFIG_PATH); flags win.
     """
-    from mmkey.cache.mooncake_config import MooncakeConfig
-    from mmkey.holder import HolderSpec
+    from mmkey.cache.mooncake.config import MooncakeConfig
+    from mmkey.cache.mooncake.holder import HolderSpec
 
     overrides: dict[str, Any] = {}
     if master:

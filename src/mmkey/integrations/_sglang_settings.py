@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 
-from mmkey.cache.mooncake_config import MooncakeConfig, parse_replica_num, parse_size, read_json_config
+from mmkey.cache.mooncake.config import MooncakeConfig, parse_replica_num, parse_size, read_json_config
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.errors import InvalidKey
 from mmkey.keys import EmbeddingKey

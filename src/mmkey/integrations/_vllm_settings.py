@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from mmkey.cache.mooncake_config import MooncakeConfig, parse_size
+from mmkey.cache.mooncake.config import MooncakeConfig, parse_size
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.hashing import hash_bytes, hash_tensor, identifier_digest
 from mmkey.keys import MAX_NAMESPACE_CHARS, EmbeddingKey

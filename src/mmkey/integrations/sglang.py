@@ -46,7 +46,7 @@ import attrs
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 
 from mmkey.cache.mooncake import MooncakeCache
-from mmkey.cache.mooncake_config import MooncakeConfig
+from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.errors import InvalidKey

@@ -1,7 +1,7 @@
 """A local Mooncake fleet for tests: one master plus N segment-holder processes, with faults.
 
 ``running_fleet(holders=2)`` starts a ``mooncake_master`` and N holders (Mooncake's standalone
-``mooncake_client``, see `mmkey.holder`) on free ports, waits until the master lists every
+``mooncake_client``, see `mmkey.cache.mooncake.holder`) on free ports, waits until the master lists every
 holder's segment, and stops everything by PID on exit, also on failure. Each `HolderProcess`
 can be paused (SIGSTOP, a host in a GC pause or swap storm), resumed, killed (SIGKILL) and
 restarted. Readers are pure clients (``fleet.client_config()``); `Fleet.holder_of` maps the
@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmkey._net import port_accepts
-from mmkey.holder import HolderSpec, find_holder_binary
+from mmkey.cache.mooncake._net import port_accepts
+from mmkey.cache.mooncake.holder import HolderSpec, find_holder_binary
 from mmkey.testing import _process
 from mmkey.testing._process import POLL_S, ManagedProcess
 from mmkey.testing._procnet import listening_sockets, socket_inodes
@@ -49,7 +49,7 @@ from mmkey.testing.mooncake_master import (
 )
 
 if TYPE_CHECKING:
-    from mmkey.cache.mooncake_config import MooncakeConfig
+    from mmkey.cache.mooncake.config import MooncakeConfig
 
 __all__ = [
     "Fleet",
@@ -476,7 +476,7 @@ class Fleet:
 
     def client_config(self, **overrides: Any) -> MooncakeConfig:
         """A `MooncakeConfig` of a pure client (``global_segment_size=0``) of this fleet."""
-        from mmkey.cache.mooncake_config import MooncakeConfig
+        from mmkey.cache.mooncake.config import MooncakeConfig
 
         fields: dict[str, Any] = {
             "master_server_address": self._master.address,

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from mmkey._net import port_accepts
+from mmkey.cache.mooncake._net import port_accepts
 from mmkey.testing._process import POLL_S, ManagedProcess
 from mmkey.testing._procnet import listening_sockets, socket_inodes
 

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import attrs
 
-from mmkey._net import parse_host_port
-from mmkey.cache._master_ping import master_answers
-from mmkey.cache._mooncake_staging import ReadSlots, Staging
-from mmkey.cache._quarantine import Quarantine
-from mmkey.cache._runner import Breaker, Call, CallTimeout, DeadlineRunner
-from mmkey.cache.mooncake_config import MooncakeConfig
+from mmkey.cache.mooncake._net import parse_host_port
+from mmkey.cache.mooncake._ping import master_answers
+from mmkey.cache.mooncake._staging import ReadSlots, Staging
+from mmkey.cache.mooncake._quarantine import Quarantine
+from mmkey._deadline import Breaker, Call, CallTimeout, DeadlineRunner
+from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.errors import StoreClosed, StoreError
 
 if TYPE_CHECKING:

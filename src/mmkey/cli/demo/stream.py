@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch.nn import functional as F
 
-from mmkey.demo.vision import VisionConfig
+from mmkey.cli.demo.vision import VisionConfig
 from mmkey.encoder import Grid
 
 __all__ = ["DemoRequest", "StreamConfig", "patchify", "synthetic_image", "synthetic_requests"]

@@ -30,7 +30,7 @@ An entry is a header followed by the tensor's bytes. All integers are little-end
 An entry is exactly ``H + P`` bytes. `decode_entry` checks every field and the checksum
 against the key being read, so truncated, extended, bit-flipped or re-keyed entries raise
 `CorruptEntry`; the checksum detects accidents, not forgeries. Forgeries are what the MAC
-stops: given an `EntryKeyring` (`mmkey.cache.auth`), `encode_entry` signs entries with its
+stops: given an `EntryKeyring` (`mmkey.entry.auth`), `encode_entry` signs entries with its
 current secret and `decode_entry` serves only entries whose MAC verifies under one of its
 secrets that has not expired, raising `ForgedEntry` otherwise (every refusal under a
 keyring is a `ForgedEntry`, with a ``reason``). A reader without a keyring decodes
@@ -59,14 +59,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import attrs
 
 from mmkey._tensors import plain_cpu
-from mmkey.cache.auth import EntryKeyring
+from mmkey.entry.auth import EntryKeyring
 from mmkey.errors import CorruptEntry, ForgedEntry, InvalidKey
 
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer
 
-    from mmkey.cache.auth import EntrySecret
+    from mmkey.entry.auth import EntrySecret
 
 __all__ = [
     "DTYPE_CODES",

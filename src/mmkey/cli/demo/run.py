@@ -10,8 +10,8 @@ import attrs
 import torch
 
 from mmkey.cache.protocol import CacheStats, EmbeddingCache
-from mmkey.demo.stream import StreamConfig, synthetic_requests
-from mmkey.demo.vision import TinyVisionEncoder, VisionConfig
+from mmkey.cli.demo.stream import StreamConfig, synthetic_requests
+from mmkey.cli.demo.vision import TinyVisionEncoder, VisionConfig
 from mmkey.digest import HashScheme
 from mmkey.encoder import EncodeReport, encode_with_cache_report
 

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from mmkey.cache.protocol import EmbeddingCache
-    from mmkey.cache.store_usage import StoreUsage
-    from mmkey.demo import DemoResult
+    from mmkey.cache.mooncake.usage import StoreUsage
+    from mmkey.cli.demo import DemoResult
     from mmkey.encoder import EncodeReport
 
 __all__ = ["demo"]
@@ -168,11 +168,11 @@ def demo(
     """
     from rich.console import Console
 
-    from mmkey.demo import StreamConfig, VisionConfig, run_demo
+    from mmkey.cli.demo import StreamConfig, VisionConfig, run_demo
     from mmkey.digest import HashScheme
 
     if master_metrics is not None:
-        from mmkey._net import parse_host_port
+        from mmkey.cache.mooncake._net import parse_host_port
 
         try:
             parse_host_port(master_metrics)
@@ -198,7 +198,7 @@ def demo(
                 on_request=advance,
             )
         if master_metrics is not None:  # before close: this client may lend memory itself
-            from mmkey.cache.store_usage import read_master_usage
+            from mmkey.cache.mooncake.usage import read_master_usage
 
             usage = read_master_usage(master_metrics)
     finally:

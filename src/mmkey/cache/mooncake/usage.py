@@ -14,7 +14,7 @@ import urllib.request
 
 import attrs
 
-from mmkey._net import parse_host_port
+from mmkey.cache.mooncake._net import parse_host_port
 
 __all__ = ["StoreUsage", "parse_master_metrics", "read_master_usage"]
 

@@ -23,14 +23,14 @@ import mmap
 import threading
 from typing import TYPE_CHECKING
 
-from mmkey.cache.codec import encode_entry_into
+from mmkey.entry.codec import encode_entry_into
 from mmkey.errors import StoreError
 
 if TYPE_CHECKING:
     import torch
     from mooncake.store import MooncakeDistributedStore
 
-    from mmkey.cache.auth import EntryKeyring
+    from mmkey.entry.auth import EntryKeyring
 
 __all__ = ["ALIGN", "MIN_SLOT", "ReadSlots", "Staging", "aligned", "faulted_in", "stage_entry"]
 

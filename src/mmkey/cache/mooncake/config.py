@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from mmkey._net import check_address_field
+from mmkey.cache.mooncake._net import check_address_field
 
 __all__ = ["MooncakeConfig", "parse_replica_num", "parse_size", "read_json_config"]
 
@@ -45,7 +45,7 @@ def _non_negative_size(_: object, attribute: attrs.Attribute[int], value: Any) -
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
             f"MooncakeConfig.{attribute.name} must be a byte count (int), got {value!r}; "
-            "read size text like '512MB' with mmkey.cache.mooncake_config.parse_size()"
+            "read size text like '512MB' with mmkey.cache.mooncake.config.parse_size()"
         )
     if value < 0:
         raise ValueError(f"MooncakeConfig.{attribute.name} must be a byte count >= 0, got {value!r}")

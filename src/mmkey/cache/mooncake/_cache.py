@@ -5,9 +5,9 @@ binding's traps: it never calls a store that is not set up or is closed (the bin
 crashes the interpreter there), de-duplicates batch reads (duplicates read wrong data),
 writes with upsert (a put never overwrites), tells misses from entries (both read as
 ``b""``), and verifies every entry through the codec. The transport
-(`mmkey.cache._mooncake_transport`) runs every binding call on a worker within the call's
+(`mmkey.cache.mooncake._transport`) runs every binding call on a worker within the call's
 deadline, behind a breaker, and calls the binding's GIL-holding ``setup``/``close`` only
-right after the master answered; staging (`mmkey.cache._mooncake_staging`) moves entries
+right after the master answered; staging (`mmkey.cache.mooncake._staging`) moves entries
 through registered buffers (``batch_upsert_from``, ``batch_get_into``), not Python bytes copies.
 """
 
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 from mmkey._tensors import host_ready
 from mmkey.cache._guard import insert_args, key_texts
-from mmkey.cache._mooncake_staging import Staging, aligned, stage_entry
-from mmkey.cache._mooncake_transport import Lane, Pending, StoreTransport, TransferFailed
-from mmkey.cache._runner import CallTimeout
-from mmkey.cache.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
+from mmkey.cache.mooncake._staging import Staging, aligned, stage_entry
+from mmkey.cache.mooncake._transport import Lane, Pending, StoreTransport, TransferFailed
+from mmkey._deadline import CallTimeout
+from mmkey.entry.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.cache.health import CacheHealth
-from mmkey.cache.codec import (
+from mmkey.entry.codec import (
     encode_entry,
     encode_entry_into,
     entry_header,
@@ -40,7 +40,7 @@ from mmkey.cache.codec import (
     verify_entry,
     verify_entry_into,
 )
-from mmkey.cache.mooncake_config import MooncakeConfig
+from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
 from mmkey.errors import CorruptEntry, ForgedEntry, StoreClosed, StoreError
 from mmkey.keys import CacheKey

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from mmkey._net import check_address_field
+from mmkey.cache.mooncake._net import check_address_field
 
 __all__ = ["DEFAULT_HOLDER_PORT", "HOLDER_BINARY", "HolderSpec", "find_holder_binary"]
 
@@ -68,7 +68,7 @@ def _segment(_: object, attribute: attrs.Attribute[int], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
             f"HolderSpec.{attribute.name} must be a byte count (int), got {value!r}; read size "
-            "text like '512MB' with mmkey.cache.mooncake_config.parse_size()"
+            "text like '512MB' with mmkey.cache.mooncake.config.parse_size()"
         )
     if value <= 0:
         raise ValueError(

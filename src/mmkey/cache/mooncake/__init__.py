@@ -1,0 +1,42 @@
+"""The Mooncake store backend: `MooncakeCache` over ``mooncake.store`` and what it needs.
+
+The facade (`MooncakeCache`, in ``_cache``) loads on first use of its name, so importing
+this package for `MooncakeConfig` starts no transport thread and registers no exit hook.
+Inside: ``config`` (the frozen configuration and Mooncake's variables), ``_transport``
+(binding calls on worker threads, within a timeout, behind a breaker), ``_staging``
+(registered buffers), ``_quarantine`` and ``_ping`` (unreachable holders, the master's
+liveness), ``_master_http`` (the master's HTTP endpoints), ``usage`` (the master's
+metrics), ``holder`` and ``_net`` (holder processes and addresses).
+
+May import: ``mmkey.cache`` (protocol, health, guard), ``mmkey.entry``, ``mmkey.keys``,
+``mmkey.digest``, ``mmkey.errors``, ``mmkey._deadline``, ``mmkey._tensors``, ``mmkey._log``; the
+binding ``mooncake.store`` only inside functions. Never ``mmkey.encoder``,
+``mmkey.integrations``, ``mmkey.testing`` or ``mmkey.cli``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mmkey.cache.mooncake.config import MooncakeConfig
+
+if TYPE_CHECKING:
+    from mmkey.cache.mooncake._cache import MooncakeCache
+
+__all__ = ["MooncakeCache", "MooncakeConfig"]
+
+
+if not TYPE_CHECKING:
+    # hidden from type checkers, so a misspelt name stays a type error
+
+    def __getattr__(name: str) -> object:
+        # the client (its transport threads and exit hook) loads when first named
+        if name == "MooncakeCache":
+            from mmkey.cache.mooncake._cache import MooncakeCache
+
+            return MooncakeCache
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        # the lazy name too, for dir() and the documentation's member list
+        return sorted(set(globals()) | set(__all__))
