@@ -67,9 +67,16 @@ def test_distinct_lanes_within_one_round(transport: StoreTransport) -> None:
 
 
 def test_skips_are_logged_at_most_once_per_period(caplog: pytest.LogCaptureFixture) -> None:
-    from mmkey.cache.mooncake import _cache as mooncake
+    import logging
 
-    log = mooncake._SummaryLog("Mooncake calls answered as misses without the store: %s")
+    from mmkey._log import RateLimitedLog
+
+    log = RateLimitedLog(
+        logging.getLogger("mmkey.cache.mooncake"),
+        logging.WARNING,
+        "Mooncake calls answered as misses without the store: %s%s",
+        period=10.0,
+    )
     with caplog.at_level("WARNING", logger="mmkey.cache.mooncake"):
         for _ in range(50):
             log.note("holder quarantined")

@@ -1,12 +1,14 @@
-"""Deadlines for blocking store calls: a daemon worker thread (a lane) and a circuit breaker.
+"""Blocking calls on a worker thread, each waited for at most its deadline, and a breaker.
 
-A store binding can block for tens of seconds when its server hangs. Every call goes to
-a worker thread and the caller waits at most a deadline for it. Calls queue behind a
-healthy call; once the running call has outlived its deadline (`is_stuck`) the adapter
-answers from its fallback at once instead of queueing behind it, and a call that timed
-out in the queue is cancelled, never run. A caller that stops waiting for any reason (the
-deadline, ``KeyboardInterrupt``, the lane closing) hands the call's eventual result to a
-release function, so nothing it holds (a staging lease) is lost.
+A store binding can block for tens of seconds when its server hangs. `DeadlineRunner` runs
+callables one at a time on a daemon thread (a lane) and a caller waits at most its deadline
+for one (`CallTimeout` after it). Calls queue behind a healthy call; `is_stuck` tells the
+caller that the running call has outlived its deadline, so it can answer at once instead of
+queueing behind it, and a call that timed out in the queue is cancelled, never run. A caller
+that stops waiting for any reason (the deadline, ``KeyboardInterrupt``, the runner closing)
+hands the call's eventual result to a release function, so nothing it holds (a staging
+lease) is lost. `Breaker` refuses calls for a while after a failure. Nothing here knows the
+store it guards (the Mooncake transport uses it).
 """
 
 from __future__ import annotations

@@ -1,21 +1,23 @@
-"""Tensors read off the caller's thread: when they are ready, and one plain C-order CPU form.
+"""Tensors read off the caller's thread: when they are ready, one plain C-order CPU form,
+and their bytes as a memoryview.
 
 `host_ready` marks when a caller's (possibly CUDA, possibly in-flight) tensors may be read by
-another thread; `plain_cpu` is the one normalisation shared by hashing and storing.
+another thread; `plain_cpu` is the one normalisation shared by hashing and storing;
+`byte_view` is the zero-copy view of a tensor's bytes that keeps the tensor alive.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HostReady", "host_ready", "plain_cpu"]
+__all__ = ["HostReady", "byte_view", "host_ready", "plain_cpu"]
 
 
 def plain_cpu(value: object, action: str, expected: str, fix: str) -> torch.Tensor:
@@ -41,6 +43,24 @@ def plain_cpu(value: object, action: str, expected: str, fix: str) -> torch.Tens
     if t.is_neg():
         t = t.resolve_neg()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def byte_view(t: torch.Tensor, *, writable: bool = False) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a flat ``uint8`` memoryview, without a copy.
+
+    Any dtype, bf16 too: the bytes are reinterpreted, never converted. The view holds the
+    tensor's memory (through numpy, torch's own bridge), so it may outlive every other
+    reference to ``t``; read-only unless ``writable``. (The entry codec's views, borrowed for
+    the length of one call, are made by address instead: about 2 µs less each.)
+    """
+    import torch
+
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    array: Any = flat.numpy()  # shares the tensor's memory
+    view = memoryview(array)
+    return view if writable else view.toreadonly()
 
 
 @attrs.frozen(slots=True)

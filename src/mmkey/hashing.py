@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from mmkey._tensors import plain_cpu
+from mmkey._tensors import byte_view, plain_cpu
 from mmkey.digest import HashScheme, MMHash
 from mmkey.errors import InvalidKey
 
@@ -40,19 +40,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     Zero-copy for a contiguous CPU tensor; a non-contiguous or device tensor is copied
     once (to C order, to host memory) first.
     """
-    import torch
-
     flat = plain_cpu(
         t,
         "hash",
         "expected a torch.Tensor",
         "use hash_bytes() for bytes-like data or torch.as_tensor(x) first",
     )
-    flat = flat.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    array: Any = flat.numpy()  # shares the tensor's memory
-    return memoryview(array).toreadonly()
+    return byte_view(flat)
 
 
 def _frame(t: torch.Tensor, nbytes: int) -> bytes:

@@ -19,23 +19,22 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import http.client
 import itertools
 import os
 import random
-import re
 import shutil
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mmkey.cache.mooncake._master_http import read_metrics, segment_names
 from mmkey.cache.mooncake._net import port_accepts
+from mmkey.cache.mooncake._replicas import memory_endpoints
 from mmkey.cache.mooncake.holder import HolderSpec, find_holder_binary
 from mmkey.testing import _process
 from mmkey.testing._process import POLL_S, ManagedProcess
@@ -64,8 +63,6 @@ __all__ = [
 
 _SUBNET_PREFIX = "10.213"
 """Private /24 networks 10.213.X.0/24 for namespaced fleets (X picked free at start)."""
-_SEGMENT = re.compile(r'^segment_total_capacity_bytes\{segment="([^"]+)"\}', re.MULTILINE)
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _LIVE_NETS: weakref.WeakSet[_TestNetwork] = weakref.WeakSet()
 _NAMES = itertools.count()
 _START_LOCK = threading.Lock()
@@ -121,13 +118,8 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 
 def _master_segments(master: MasterProcess, timeout: float = 1.0) -> set[str]:
     """Segment names (``host:port``) the master currently lists, from its ``/metrics``."""
-    url = f"http://{master.host}:{master.metrics_port}/metrics"
-    try:
-        with _HTTP.open(url, timeout=timeout) as response:
-            text = response.read().decode("utf-8", "replace")
-    except (OSError, http.client.HTTPException, ValueError):
-        return set()
-    return set(_SEGMENT.findall(text))
+    text = read_metrics(master.host, master.metrics_port, timeout)
+    return set() if text is None else segment_names(text)
 
 
 def _run(args: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -516,14 +508,7 @@ def replica_endpoints(store: object, keys: Sequence[str]) -> dict[str, list[str]
     """
     lookup: Any = store
     described: Mapping[str, Sequence[Any]] = lookup.batch_get_replica_desc(list(keys))
-    found: dict[str, list[str]] = {}
-    for key in keys:
-        endpoints: list[str] = []
-        for replica in described.get(key, ()):
-            with contextlib.suppress(Exception):  # a replica on disk has no memory descriptor
-                endpoints.append(str(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint))
-        found[key] = endpoints
-    return found
+    return {key: memory_endpoints(described.get(key, ())) for key in keys}
 
 
 @contextlib.contextmanager

@@ -8,18 +8,16 @@ here imports mooncake at module import time.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import importlib.util
-import json
 import os
 import shutil
 import socket
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from mmkey.cache.mooncake._master_http import read_health
 from mmkey.cache.mooncake._net import port_accepts
 from mmkey.testing._process import POLL_S, ManagedProcess
 from mmkey.testing._procnet import listening_sockets, socket_inodes
@@ -39,8 +37,6 @@ HOST = "127.0.0.1"
 """The only interface the test master listens on."""
 
 _PORT_ATTEMPTS = 5
-# A proxy configured in the environment must never see requests to the local master.
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class MasterStartError(RuntimeError):
@@ -108,20 +104,6 @@ def _two_free_ports(host: str = HOST) -> tuple[int, int]:
     return first, second
 
 
-def _health(metrics_port: int, timeout: float, host: str = HOST) -> dict[str, object] | None:
-    """The master's ``/health`` document, or ``None`` when it does not answer in time."""
-    try:
-        with _HTTP.open(f"http://{host}:{metrics_port}/health", timeout=timeout) as response:
-            body = response.read(65536)
-    except (OSError, http.client.HTTPException, ValueError):
-        return None
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def _owns_listener(pid: int, port: int) -> bool:
     """Whether ``pid`` holds the socket listening on ``port`` (``True`` where /proc cannot tell).
 
@@ -187,11 +169,6 @@ class MasterProcess(ManagedProcess):
         return f"{self._host}:{self._rpc_port}"
 
     @property
-    def health_url(self) -> str:
-        """URL of the master's ``/health`` document."""
-        return f"http://{self._host}:{self._metrics_port}/health"
-
-    @property
     def log_path(self) -> Path:
         """File that receives the master's stdout and stderr (all starts, appended)."""
         return self._workdir / "master.log"
@@ -216,7 +193,7 @@ class MasterProcess(ManagedProcess):
     # -- state ----------------------------------------------------------------------------
     def health(self, timeout: float = 0.5) -> dict[str, object] | None:
         """The ``/health`` document, or ``None`` if the master does not answer within ``timeout``."""
-        return _health(self._metrics_port, timeout, self._host)
+        return read_health(self._host, self._metrics_port, timeout)
 
     def is_ready(self, timeout: float = 0.5) -> bool:
         """RPC port accepts TCP and ``/health`` says ``service_ready``, both from this process."""
@@ -226,7 +203,7 @@ class MasterProcess(ManagedProcess):
         pid = proc.pid
         if not port_accepts(self._host, self._rpc_port, timeout):
             return False
-        doc = _health(self._metrics_port, timeout, self._host)
+        doc = read_health(self._host, self._metrics_port, timeout)
         if doc is None or doc.get("service_ready") is not True:
             return False
         return _owns_listener(pid, self._rpc_port) and _owns_listener(pid, self._metrics_port)

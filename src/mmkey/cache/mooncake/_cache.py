@@ -23,8 +23,10 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from mmkey._tensors import host_ready
+from mmkey._log import Counters, RateLimitedLog
+from mmkey._tensors import byte_view, host_ready
 from mmkey.cache._guard import insert_args, key_texts
+from mmkey.cache.mooncake._replicas import memory_endpoints
 from mmkey.cache.mooncake._staging import Staging, aligned, stage_entry
 from mmkey.cache.mooncake._transport import Lane, Pending, StoreTransport, TransferFailed
 from mmkey._deadline import CallTimeout
@@ -95,15 +97,6 @@ def _release(staging: Staging, _: object) -> None:
     staging.lease.release()
 
 
-def _memory_endpoints(replicas: Sequence[ReplicaDescriptor]) -> list[str]:
-    """Transfer endpoints of the in-memory replicas, in the master's order."""
-    found: list[str] = []
-    for replica in replicas:
-        with contextlib.suppress(Exception):  # a replica of another kind has no memory side
-            found.append(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
-    return found
-
-
 _PUT_CHUNK = 64 << 20
 """Payload bytes sealed and sent per multi-buffer put."""
 
@@ -142,75 +135,7 @@ def _target_runs(values: object, count: int, function: str, what: str) -> list[l
 def _read_from(replicas: Sequence[ReplicaDescriptor]) -> str | None:
     """The holder a read goes to: the first in-memory replica the master lists (Mooncake
     reads that one and does not fail over within a call); ``None`` when there is none."""
-    for replica in replicas:
-        with contextlib.suppress(Exception):
-            return replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
-    return None
-
-
-class _SummaryLog:
-    """Counts events by reason and logs a summary of them at most once per `_LOG_EVERY_S`
-    seconds (`template` takes the summary)."""
-
-    def __init__(self, template: str) -> None:
-        self._template = template
-        self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
-        self._last = 0.0
-
-    def note(self, reason: str) -> None:
-        with self._lock:
-            self._counts[reason] = self._counts.get(reason, 0) + 1
-            now = time.monotonic()
-            if now - self._last < _LOG_EVERY_S:
-                return
-            counts, self._counts, self._last = self._counts, {}, now
-        summary = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
-        _LOG.warning(self._template, summary)
-
-
-class _Counters:
-    """Thread-safe counters behind `stats()`."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.hits = self.misses = self.inserts = self.corrupt = self.errors = 0
-        self.forged = self.skipped = 0
-        self.unsigned = self.unknown_key = self.expired = self.bad_mac = 0
-        self.unsigned_served = self.oversized = 0
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def error(self) -> None:
-        """Count one failed store call."""
-        self.add(errors=1)
-
-    def skip(self) -> None:
-        """Count one call answered without the store."""
-        self.add(skipped=1)
-
-    def snapshot(self) -> CacheStats:
-        with self._lock:
-            return CacheStats(
-                hits=self.hits,
-                misses=self.misses,
-                inserts=self.inserts,
-                corrupt=self.corrupt,
-                forged=self.forged,
-                errors=self.errors,
-                skipped=self.skipped,
-                unsigned=self.unsigned,
-                unknown_key=self.unknown_key,
-                expired=self.expired,
-                bad_mac=self.bad_mac,
-                unsigned_served=self.unsigned_served,
-                oversized=self.oversized,
-                bytes_held=None,  # the entries live in the store's holders, not here
-                entries=None,
-            )
+    return next(iter(memory_endpoints(replicas)), None)
 
 
 class MooncakeCache:
@@ -246,12 +171,16 @@ class MooncakeCache:
             raise StoreError(f"the Mooncake binding cannot be imported ({exc}); {_INSTALL_HINT}") from None
         self._config = config
         self._keyring = keyring_for_cache(keyring, "MooncakeCache", shared=True)
-        self._counts = _Counters()
+        self._counts = Counters()
         self._closed = False
-        self._skips = _SummaryLog("Mooncake calls answered as misses without the store: %s")
-        self._refusals = _SummaryLog("Mooncake entries that did not verify, served as misses: %s")
+        self._skips = RateLimitedLog(
+            _LOG, logging.WARNING, "Mooncake calls answered as misses without the store: %s%s", period=_LOG_EVERY_S
+        )
+        self._refusals = RateLimitedLog(
+            _LOG, logging.WARNING, "Mooncake entries that did not verify, served as misses: %s%s", period=_LOG_EVERY_S
+        )
         self._transport = StoreTransport(
-            config, MooncakeDistributedStore, self._counts.error, self._skipped_by_breaker
+            config, MooncakeDistributedStore, functools.partial(self._counts.add, errors=1), self._skipped_by_breaker
         )
         self._replicas: ReplicateConfig | None = None  # made on first write
         self._grouped_until = 0.0  # reads look holders up until then (after a failure)
@@ -459,7 +388,8 @@ class MooncakeCache:
         without the store since creation. `entries` and `bytes_held` are ``None``: the entries
         live in the store's holders, and this client cannot know how many of them are held."""
         self._check_open()
-        return self._counts.snapshot()
+        # the entries live in the store's holders, not here
+        return CacheStats(**self._counts.totals(), bytes_held=None, entries=None)
 
     def close(self) -> None:
         """Close the store; later calls raise `StoreClosed`, calls in flight return at once.
@@ -501,7 +431,7 @@ class MooncakeCache:
         return time.monotonic() + self._config.deadline
 
     def _skipped_by_breaker(self) -> None:
-        self._counts.skip()
+        self._counts.add(skipped=1)
         self._skips.note("master unreachable (breaker open)")
 
     def _read(self, texts: list[str], give_up: float, sink: _Sink, bound: _Bounds) -> None:
@@ -562,7 +492,7 @@ class MooncakeCache:
 
         submit_more()
         if groups and not inflight and time.monotonic() < give_up:
-            self._counts.skip()
+            self._counts.add(skipped=1)
             self._skips.note("every transfer lane stuck")
         while inflight:
             endpoint, chunk, slot, pending_transfer = inflight.popleft()
@@ -598,7 +528,7 @@ class MooncakeCache:
                 self._oversized(text, size, bound(text))
             largest = 0
             for text, buf in buffers.items():
-                if sink(text, buf.numpy().data):
+                if sink(text, byte_view(buf, writable=True)):
                     largest = max(largest, buf.numel())
             large_lane.staging.slots.observe(largest)
 
@@ -621,7 +551,7 @@ class MooncakeCache:
                 continue
             groups.setdefault(endpoint, []).append(text)
         if bound_for_quarantine:
-            self._counts.skip()
+            self._counts.add(skipped=1)
             self._skips.note("holder quarantined")
         if quarantine:
             self._probe_quarantined()
@@ -716,7 +646,7 @@ class MooncakeCache:
         import torch
 
         placed = store.batch_get_replica_desc(keys)
-        listed = [k for k in keys if endpoint in _memory_endpoints(placed.get(k, ()))]
+        listed = [k for k in keys if endpoint in memory_endpoints(placed.get(k, ()))]
         if not listed:
             _LOG.warning("Mooncake holder %s re-admitted: the master no longer lists it", endpoint)
             return True
@@ -784,7 +714,7 @@ class MooncakeCache:
             try:
                 buf = torch.empty(size, dtype=torch.uint8)
             except (MemoryError, RuntimeError):  # a huge foreign value: a miss, counted
-                self._counts.error()
+                self._counts.add(errors=1)
                 continue
             with _registered(store, buf) as ptr:
                 got = store.get_into(text, ptr, size)
@@ -882,7 +812,7 @@ class MooncakeCache:
                 return {}
             lane = self._transport.pick_lane(set())
             if lane is None:
-                self._counts.skip()
+                self._counts.add(skipped=1)
                 self._skips.note("every transfer lane stuck")
                 return {}
             outcome = self._transport.finish(self._transport.submit(lane, write), give_up)
@@ -964,7 +894,7 @@ class MooncakeCache:
                 drain_one()
             lane = self._transport.pick_lane(taken)
             if lane is None:
-                self._counts.skip()
+                self._counts.add(skipped=1)
                 self._skips.note("every transfer lane stuck")
                 break
             work = functools.partial(
@@ -1050,7 +980,7 @@ class MooncakeCache:
         import torch
 
         buf = torch.empty(size, dtype=torch.uint8)
-        encode(buf.numpy().data, text, tensor)
+        encode(byte_view(buf, writable=True), text, tensor)
         with _registered(store, buf) as ptr:
             if self._config.replica_num == 1:
                 code = store.upsert_from(text, ptr, size)

@@ -1,16 +1,14 @@
-"""Small network helpers: parse a ``host:port`` address and probe a TCP port.
-
-Used to check that a Mooncake master answers before calling ``setup()``, which otherwise
-blocks for a long time when nothing listens.
-"""
+"""Addresses and TCP probes: parse and check ``host:port`` text (configs, holder specs,
+the master's metrics address) and whether a port accepts a connection (readiness checks of
+the test harness). Whether a master answers is ``_ping``'s job: the kernel accepts a TCP
+connection for a stopped process too."""
 
 from __future__ import annotations
 
 import socket
-import time
 from typing import Any
 
-__all__ = ["check_address_field", "parse_host_port", "port_accepts", "wait_port_open"]
+__all__ = ["check_address_field", "parse_host_port", "port_accepts"]
 
 
 def check_address_field(instance: object, attribute: Any, value: Any) -> None:
@@ -57,15 +55,3 @@ def port_accepts(host: str, port: int, timeout: float) -> bool:
             return True
     except OSError:
         return False
-
-
-def wait_port_open(host: str, port: int, timeout: float, *, interval: float = 0.02) -> bool:
-    """Poll until ``host:port`` accepts a TCP connection; ``False`` if ``timeout`` passes first."""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        if port_accepts(host, port, min(max(remaining, 0.001), 1.0)):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))

@@ -23,6 +23,7 @@ import mmap
 import threading
 from typing import TYPE_CHECKING
 
+from mmkey._tensors import byte_view
 from mmkey.entry.codec import encode_entry_into
 from mmkey.errors import StoreError
 
@@ -120,7 +121,7 @@ class Staging:
         buf = faulted_in(self.nbytes)
         if store.register_buffer(buf.data_ptr(), buf.numel()) != 0:
             raise StoreError("register_buffer of the staging buffer failed")
-        self._tensor, self._view, self.ptr = buf, buf.numpy().data, buf.data_ptr()
+        self._tensor, self._view, self.ptr = buf, byte_view(buf, writable=True), buf.data_ptr()
 
     def view(self, store: MooncakeDistributedStore) -> memoryview:
         """The registered buffer (prepared now if set-up did not)."""

@@ -8,19 +8,13 @@ master's ``/metrics`` (``--metrics_port``, 9003 by default) without importing mo
 
 from __future__ import annotations
 
-import http.client
-import re
-import urllib.request
-
 import attrs
 
+from mmkey.cache.mooncake import _master_http
 from mmkey.cache.mooncake._net import parse_host_port
 
 __all__ = ["StoreUsage", "parse_master_metrics", "read_master_usage"]
 
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", re.MULTILINE)
-_LIMIT = 4 << 20
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -41,7 +35,7 @@ def parse_master_metrics(text: str) -> StoreUsage | None:
     """`StoreUsage` from a master's Prometheus text, or ``None`` if the counts are missing."""
     values: dict[str, float] = {}
     segments = 0
-    for name, labels, value in _SAMPLE.findall(text):
+    for name, labels, value in _master_http.samples(text):
         if name == "segment_total_capacity_bytes" and labels:
             segments += 1
         elif not labels:
@@ -67,10 +61,5 @@ def read_master_usage(metrics_address: str, timeout: float = 1.0) -> StoreUsage 
     if malformed); no proxy is used.
     """
     host, port = parse_host_port(metrics_address)
-    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        with _HTTP.open(f"http://{netloc}/metrics", timeout=timeout) as response:
-            body = response.read(_LIMIT)
-    except (OSError, http.client.HTTPException, ValueError):
-        return None
-    return parse_master_metrics(body.decode("utf-8", "replace"))
+    text = _master_http.read_metrics(host, port, timeout)
+    return None if text is None else parse_master_metrics(text)
