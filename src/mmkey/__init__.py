@@ -4,6 +4,11 @@ A digest is an `MMHash`; the only road from it to a store key is an `EmbeddingKe
 its `~EmbeddingKey.to_key`; every cache takes `CacheKey` objects only. Importing mmkey imports
 neither torch nor mooncake: they load when a function needs them, and the Mooncake
 client (`MooncakeCache`) loads on first use of its name.
+
+This module re-exports the public names of the core (digests, keys, hashing, errors,
+entries, caches); the encoder, metrics, integrations, testing kit and command line are
+imported by their own names. The layers, and what each package may import, are in
+``docs/architecture.md``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Without it, ``mmkey`` prints that command and exits with status 2; the library i
 never imports click or rich. Every command loads torch only when it needs it, so
 ``mmkey key`` answers at once. Bad input (a key that does not parse, a file that cannot
 be read) is one line on stderr and exit status 2, never a traceback.
+
+The top layer: it may import anything in mmkey, and nothing in mmkey imports it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Cache-aware encoding of multimodal items: digests and keys per item, and
 `encode_with_cache` (with its async twin) so that only cache misses reach the encoder.
 
-Importing this module imports torch.
+Importing this module imports torch. May import the caches' protocol, keys, hashing,
+digests, errors and ``mmkey._tensors``; never a Mooncake, stack or command-line module.
 """
 
 from __future__ import annotations
