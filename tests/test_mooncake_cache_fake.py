@@ -111,7 +111,7 @@ def test_a_corrupted_entry_is_refused_counted_and_leaves_the_target_alone(
 ) -> None:
     k = key(20)
     assert cache.insert_batch([k], [torch.ones(16)]) == [True]
-    master.corrupt(k.to_key(), offset=-3)  # a payload byte
+    master.flip_byte(k.to_key(), offset=-3)  # a payload byte
     assert cache.get_embeddings([k]) == [None]
     target = torch.full((16,), 7.0)
     assert cache.read_into([k], [target]) == [False]
@@ -271,10 +271,10 @@ def test_the_fault_hooks_of_the_fake(master: FakeMooncakeMaster) -> None:
     assert store.put("k", b"value") == 0
     master.fail_next("get_size", code=-901, times=2)
     assert [store.get_size("k") for _ in range(3)] == [-901, -901, 5]
-    master.corrupt("k", offset=0)
+    master.flip_byte("k", offset=0)
     assert store.get("k") == bytes([ord("v") ^ 0xFF]) + b"alue"
     with pytest.raises(KeyError):
-        master.corrupt("absent")
+        master.flip_byte("absent")
     assert master.holders_of("k") == [store.get_hostname()] == master.holders()
     master.kill()
     assert not master_answers(host, port, 1.0)

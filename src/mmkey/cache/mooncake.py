@@ -230,7 +230,7 @@ class MooncakeCache:
     dedicated holder processes that lend the memory, and write ``replica_num`` > 1 copies
     so that one holder's death loses nothing.
 
-    `store_class` is for tests: a stand-in for the binding's ``MooncakeDistributedStore``
+    ``store_class`` is for tests: a stand-in for the binding's ``MooncakeDistributedStore``
     (`mmkey.testing.fake_mooncake.FakeMooncakeStore`); by default the binding's own.
     """
 

@@ -15,10 +15,10 @@ loopback listener, so a cache runs on it unchanged::
             ...
 
 Faults are injected, never timed: `FakeMooncakeMaster.fail_next` (the next calls of a method
-return a code), `kill`/`restart` (every call fails with `RPC_FAIL`, the objects are lost),
+return a code), `~FakeMooncakeMaster.kill`/`~FakeMooncakeMaster.restart` (every call fails with `RPC_FAIL`, the objects are lost),
 `make_unreachable` (transfers from a holder fail with `TRANSFER_FAIL`), `pause_holder`
 (transfers from a holder block until `resume_holder`, then land, like a holder that was
-stopped), `corrupt` (flip a stored byte) and `delay` (a method sleeps first). `calls` counts
+stopped), `flip_byte` (corrupt a stored value) and `delay` (a method sleeps first). `calls` counts
 every call by method name.
 
 What is simplified: objects are placed on the writer's own segment if it has room, else on the
@@ -42,15 +42,17 @@ from typing import TYPE_CHECKING, Any, overload
 import attrs
 
 if TYPE_CHECKING:
-    from mooncake.store import Descriptor as _DescriptorBase
-    from mooncake.store import MemoryDescriptor as _MemoryDescriptorBase
-    from mooncake.store import MooncakeDistributedStore as _StoreBase
-    from mooncake.store import ReplicaDescriptor as _ReplicaDescriptorBase
-    from mooncake.store import ReplicateConfig as _ReplicateConfigBase
-    from typing_extensions import Self, TypeAlias
+    import mooncake.store
+    from typing_extensions import Self
 
-    _Value: TypeAlias = bytes | bytearray | memoryview
-else:  # the binding's classes type these fakes, and are never imported at run time
+    # the binding's classes type these fakes (mypy checks each override against the stub),
+    # and are never imported at run time
+    _StoreBase = mooncake.store.MooncakeDistributedStore
+    _DescriptorBase = mooncake.store.Descriptor
+    _MemoryDescriptorBase = mooncake.store.MemoryDescriptor
+    _ReplicaDescriptorBase = mooncake.store.ReplicaDescriptor
+    _ReplicateConfigBase = mooncake.store.ReplicateConfig
+else:
     _StoreBase = _DescriptorBase = _MemoryDescriptorBase = _ReplicaDescriptorBase = object
     _ReplicateConfigBase = object
 
@@ -176,7 +178,7 @@ class FakeMooncakeMaster:
     """The objects, holders and faults that `FakeMooncakeStore` clients set up against
     `address` share; thread-safe. Stop it with `close` (or use it as a context manager).
 
-    `lease_s` is how long a read or lookup keeps an object from a plain `remove`
+    ``lease_s`` is how long a read or lookup keeps an object from a plain `remove`
     (Mooncake's default lease: 10 s).
     """
 
@@ -195,7 +197,7 @@ class FakeMooncakeMaster:
         """Calls of every client, by method name (faulted ones included)."""
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(0.1)
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self.address: str = f"{host}:{self._listener.getsockname()[1]}"
         """``"host:port"`` to give clients as the master's address."""
         self._stopping = threading.Event()
         self._answering = threading.Thread(
@@ -208,13 +210,13 @@ class FakeMooncakeMaster:
     # -- faults ----------------------------------------------------------------------------
 
     def fail_next(self, method: str, *, code: int = RPC_FAIL, times: int = 1) -> None:
-        """The next `times` calls of `method` (any client) fail with `code`: an int result is
-        `code`, a list one `code` per key, bytes ``b""``, replica lookups empty."""
+        """The next ``times`` calls of ``method`` (any client) fail with ``code``: an int result is
+        ``code``, a list one ``code`` per key, bytes ``b""``, replica lookups empty."""
         with self._lock:
             self._faults[method] = _Fault(code, times)
 
     def delay(self, method: str, seconds: float) -> None:
-        """Every later call of `method` sleeps `seconds` first (0 ends it)."""
+        """Every later call of ``method`` sleeps ``seconds`` first (0 ends it)."""
         with self._lock:
             if seconds > 0:
                 self._delays[method] = seconds
@@ -222,7 +224,7 @@ class FakeMooncakeMaster:
                 self._delays.pop(method, None)
 
     def make_unreachable(self, endpoint: str, unreachable: bool = True) -> None:
-        """Transfers from holder `endpoint` fail with `TRANSFER_FAIL` (False: they work again);
+        """Transfers from holder ``endpoint`` fail with `TRANSFER_FAIL` (False: they work again);
         the master keeps listing its objects."""
         with self._lock:
             if unreachable:
@@ -231,7 +233,7 @@ class FakeMooncakeMaster:
                 self._unreachable.discard(endpoint)
 
     def pause_holder(self, endpoint: str) -> None:
-        """Transfers from holder `endpoint` block until `resume_holder` (or `close`), and then
+        """Transfers from holder ``endpoint`` block until `resume_holder` (or `close`), and then
         complete: a late read still writes its buffers, as with a stopped holder."""
         with self._lock:
             self._paused.setdefault(endpoint, threading.Event())
@@ -243,8 +245,9 @@ class FakeMooncakeMaster:
         if event is not None:
             event.set()
 
-    def corrupt(self, key: str, offset: int = -1) -> None:
-        """Flip every bit of the stored byte at `offset` of `key`'s value (KeyError if absent)."""
+    def flip_byte(self, key: str, offset: int = -1) -> None:
+        """Corrupt a stored value: flip every bit of the byte at ``offset`` of ``key``'s value
+        (`KeyError` if absent)."""
         with self._lock:
             obj = self._objects[key]
             value = bytearray(obj.value)
@@ -271,7 +274,7 @@ class FakeMooncakeMaster:
             return list(self._segments)
 
     def holders_of(self, key: str) -> list[str]:
-        """Endpoints of the holders of `key`'s replicas (``[]`` if absent)."""
+        """Endpoints of the holders of ``key``'s replicas (``[]`` if absent)."""
         with self._lock:
             obj = self._objects.get(key)
             return [] if obj is None else list(obj.holders)
@@ -282,7 +285,7 @@ class FakeMooncakeMaster:
             return list(self._objects)
 
     def value(self, key: str) -> bytes | None:
-        """The stored value of `key`, or None."""
+        """The stored value of ``key``, or None."""
         with self._lock:
             obj = self._objects.get(key)
             return None if obj is None else obj.value
@@ -372,7 +375,7 @@ class FakeMooncakeMaster:
         return self._segments[endpoint] - used
 
     def _store(self, key: str, value: bytes, writer: str, replicas: int, replace: bool) -> int:
-        """Place `value` under `key` (kept if present and not `replace`)."""
+        """Place `value` under ``key`` (kept if present and not `replace`)."""
         with self._lock:
             old = self._objects.get(key)
             if old is not None and not replace:
@@ -390,7 +393,7 @@ class FakeMooncakeMaster:
             return OK
 
     def _read(self, key: str) -> bytes | int:
-        """`key`'s value after waiting out a paused holder; a code if it cannot be read."""
+        """``key``'s value after waiting out a paused holder; a code if it cannot be read."""
         with self._lock:
             obj = self._objects.get(key)
             if obj is None:
@@ -421,7 +424,7 @@ class FakeMooncakeMaster:
             del self._objects[key]
             return OK
 
-    def _replicas(self, key: str) -> list[_ReplicaDescriptorBase]:
+    def _replicas(self, key: str) -> list[mooncake.store.ReplicaDescriptor]:
         with self._lock:
             obj = self._objects.get(key)
             if obj is None:
@@ -435,13 +438,13 @@ def _check_key(key: object) -> str:
     return key
 
 
-def _as_bytes(value: _Value) -> bytes:
+def _as_bytes(value: bytes | bytearray | memoryview) -> bytes:
     """What the binding stores of a buffer: as many bytes as it has items (see the stub)."""
     view = memoryview(value)
     return bytes(view.cast("B")[: len(view)]) if view.ndim else b""
 
 
-def _replica_num(config: _ReplicateConfigBase | None) -> int:
+def _replica_num(config: mooncake.store.ReplicateConfig | None) -> int:
     return 1 if config is None else int(config.replica_num)
 
 
@@ -533,7 +536,7 @@ class FakeMooncakeStore(_StoreBase):
         return master, master._enter(method)
 
     def _write(
-        self, method: str, key: str, value: bytes, config: _ReplicateConfigBase | None, replace: bool
+        self, method: str, key: str, value: bytes, config: mooncake.store.ReplicateConfig | None, replace: bool
     ) -> int:
         master, fault = self._call(method)
         if fault is not None or master is None:
@@ -542,14 +545,14 @@ class FakeMooncakeStore(_StoreBase):
             return INVALID_PARAMS
         return master._store(key, value, self._endpoint, _replica_num(config), replace)
 
-    def put(self, key: str, value: _Value, config: _ReplicateConfigBase | None = None) -> int:
+    def put(self, key: str, value: bytes | bytearray | memoryview, config: mooncake.store.ReplicateConfig | None = None) -> int:
         """0 (an existing key keeps its value), or a negative code."""
         data = _as_bytes(value)
         if len(data) > self._local_buffer_size:
             return INVALID_PARAMS
         return self._write("put", _check_key(key), data, config, replace=False)
 
-    def upsert(self, key: str, value: _Value, config: _ReplicateConfigBase | None = None) -> int:
+    def upsert(self, key: str, value: bytes | bytearray | memoryview, config: mooncake.store.ReplicateConfig | None = None) -> int:
         """0 (replacing an existing value), or a negative code."""
         data = _as_bytes(value)
         if len(data) > self._local_buffer_size:
@@ -580,7 +583,7 @@ class FakeMooncakeStore(_StoreBase):
         return int(master._look(_check_key(key)) is not None)
 
     def remove(self, key: str, force: bool = False) -> int:
-        """0, `NOT_FOUND`, or `HAS_LEASE` unless `force`."""
+        """0, `NOT_FOUND`, or `HAS_LEASE` unless ``force``."""
         master, fault = self._call("remove")
         if fault is not None or master is None:
             return fault if fault is not None else RPC_FAIL
@@ -595,14 +598,14 @@ class FakeMooncakeStore(_StoreBase):
 
     # -- replicas --------------------------------------------------------------------------
 
-    def get_replica_desc(self, key: str) -> list[_ReplicaDescriptorBase]:
-        """Where `key`'s replicas sit (``[]`` if absent or on a fault)."""
+    def get_replica_desc(self, key: str) -> list[mooncake.store.ReplicaDescriptor]:
+        """Where ``key``'s replicas sit (``[]`` if absent or on a fault)."""
         master, fault = self._call("get_replica_desc")
         if fault is not None or master is None:
             return []
         return master._replicas(_check_key(key))
 
-    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[_ReplicaDescriptorBase]]:
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[mooncake.store.ReplicaDescriptor]]:
         """Where each held key's replicas sit; absent keys are left out (all on a fault)."""
         master, fault = self._call("batch_get_replica_desc")
         if fault is not None or master is None:
@@ -640,8 +643,8 @@ class FakeMooncakeStore(_StoreBase):
         self,
         method: str,
         keys: list[str],
-        values: Sequence[_Value],
-        config: _ReplicateConfigBase | None,
+        values: Sequence[bytes | bytearray | memoryview],
+        config: mooncake.store.ReplicateConfig | None,
         replace: bool,
     ) -> int:
         master, fault = self._call(method)
@@ -659,13 +662,13 @@ class FakeMooncakeStore(_StoreBase):
         return OK
 
     def put_batch(
-        self, keys: list[str], values: Sequence[_Value], config: _ReplicateConfigBase | None = None
+        self, keys: list[str], values: Sequence[bytes | bytearray | memoryview], config: mooncake.store.ReplicateConfig | None = None
     ) -> int:
         """One code for the batch."""
         return self._write_batch("put_batch", keys, values, config, replace=False)
 
     def upsert_batch(
-        self, keys: list[str], values: Sequence[_Value], config: _ReplicateConfigBase | None = None
+        self, keys: list[str], values: Sequence[bytes | bytearray | memoryview], config: mooncake.store.ReplicateConfig | None = None
     ) -> int:
         """One code for the batch."""
         return self._write_batch("upsert_batch", keys, values, config, replace=True)
@@ -700,7 +703,7 @@ class FakeMooncakeStore(_StoreBase):
         return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))
 
     def _scatter(self, key: str, ptrs: Sequence[int], sizes: Sequence[int]) -> int:
-        """Read `key` into the spans: its size, or a code (nothing written on one)."""
+        """Read ``key`` into the spans: its size, or a code (nothing written on one)."""
         master = self._master
         if master is None:
             return RPC_FAIL
@@ -730,7 +733,7 @@ class FakeMooncakeStore(_StoreBase):
         key: str,
         ptrs: Sequence[int],
         sizes: Sequence[int],
-        config: _ReplicateConfigBase | None,
+        config: mooncake.store.ReplicateConfig | None,
         replace: bool,
     ) -> int:
         master = self._master
@@ -742,21 +745,21 @@ class FakeMooncakeStore(_StoreBase):
         return master._store(key, data, self._endpoint, _replica_num(config), replace)
 
     def put_from(
-        self, key: str, buffer_ptr: int, size: int, config: _ReplicateConfigBase | None = None
+        self, key: str, buffer_ptr: int, size: int, config: mooncake.store.ReplicateConfig | None = None
     ) -> int:
         """0 (an existing key keeps its value), or a negative code."""
         _, fault = self._call("put_from")
         return fault if fault is not None else self._put_spans(key, [buffer_ptr], [size], config, False)
 
     def upsert_from(
-        self, key: str, buffer_ptr: int, size: int, config: _ReplicateConfigBase | None = None
+        self, key: str, buffer_ptr: int, size: int, config: mooncake.store.ReplicateConfig | None = None
     ) -> int:
         """0 (replacing an existing value), or a negative code."""
         _, fault = self._call("upsert_from")
         return fault if fault is not None else self._put_spans(key, [buffer_ptr], [size], config, True)
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
-        """Bytes read, `INVALID_PARAMS` if `size` is too small, `NOT_FOUND`."""
+        """Bytes read, `INVALID_PARAMS` if ``size`` is too small, `NOT_FOUND`."""
         _, fault = self._call("get_into")
         if fault is not None:
             return fault
@@ -779,7 +782,7 @@ class FakeMooncakeStore(_StoreBase):
         keys: list[str],
         buffer_ptrs: list[int],
         sizes: list[int],
-        config: _ReplicateConfigBase | None = None,
+        config: mooncake.store.ReplicateConfig | None = None,
     ) -> list[int]:
         """A code per key (existing keys keep their values)."""
         _, fault = self._call("batch_put_from")
@@ -792,7 +795,7 @@ class FakeMooncakeStore(_StoreBase):
         keys: list[str],
         buffer_ptrs: list[int],
         sizes: list[int],
-        config: _ReplicateConfigBase | None = None,
+        config: mooncake.store.ReplicateConfig | None = None,
     ) -> list[int]:
         """A code per key."""
         _, fault = self._call("batch_upsert_from")
@@ -812,7 +815,7 @@ class FakeMooncakeStore(_StoreBase):
         keys: list[str],
         all_buffer_ptrs: list[list[int]],
         all_sizes: list[list[int]],
-        config: _ReplicateConfigBase | None = None,
+        config: mooncake.store.ReplicateConfig | None = None,
     ) -> list[int]:
         """A code per key; each value is its buffers joined (an existing key keeps its value)."""
         _, fault = self._call("batch_put_from_multi_buffers")
