@@ -104,7 +104,7 @@ def session_master(binding: Binding, request: pytest.FixtureRequest) -> Iterator
 
 
 @pytest.fixture
-def mooncake_master(binding: Binding, request: pytest.FixtureRequest) -> Iterator[Master]:
+def fresh_master(binding: Binding, request: pytest.FixtureRequest) -> Iterator[Master]:
     """A fresh master for one test (kill and restart it freely)."""
     if binding.name == "real":
         yield request.getfixturevalue("mooncake_master")
@@ -310,8 +310,8 @@ def test_zero_copy(store: MooncakeDistributedStore, key: str) -> None:
     del view
 
 
-def test_setup_forms_and_close(binding: Binding, mooncake_master: Master) -> None:
-    address = mooncake_master.address
+def test_setup_forms_and_close(binding: Binding, fresh_master: Master) -> None:
+    address = fresh_master.address
     fresh = binding.store_class()
     assert fresh.health_check() == 1  # not set up: the only calls allowed are these two
     assert fresh.close() == OK
@@ -358,13 +358,13 @@ def test_setup_forms_and_close(binding: Binding, mooncake_master: Master) -> Non
 
 
 def test_master_restart_loses_keys_and_client_recovers(
-    binding: Binding, mooncake_master: Master
+    binding: Binding, fresh_master: Master
 ) -> None:
-    s = _setup(binding, mooncake_master.address)
+    s = _setup(binding, fresh_master.address)
     try:
         assert s.put("survivor", b"v") == OK
-        mooncake_master.kill()
-        mooncake_master.restart()
+        fresh_master.kill()
+        fresh_master.restart()
         deadline = time.monotonic() + 20.0
         rc = s.put("after-restart", b"w")
         while rc != OK and time.monotonic() < deadline:
