@@ -162,9 +162,11 @@ def test_a_slow_metadata_call_is_cut_off_at_the_deadline(master: FakeMooncakeMas
         assert cache.insert_batch([key(50)], [torch.ones(2)]) == [True]
         master.delay("batch_is_exist", 3.0)
         assert cache.batch_is_exist([key(50)]) == [False]  # returned before the call did
-        assert master.calls["batch_is_exist"] == 1
         assert cache.stats().errors == 1 and cache.health().breaker_open
+        assert wait_until(lambda: cache.health().busy_lanes == 1, 10)  # the call, past its deadline
         master.delay("batch_is_exist", 0)
+        assert wait_until(lambda: cache.health().busy_lanes == 0, 10)  # closed, not abandoned
+        assert master.calls["batch_is_exist"] == 1
 
 
 def test_a_paused_holder_is_quarantined_and_its_late_transfer_lands_in_staging_only(

@@ -574,3 +574,16 @@ def test_fake_has_every_method_of_the_stub_with_its_parameters() -> None:
             for p in list(signature.parameters.values())[1:]
         ]
         assert fake == params, name
+
+
+def test_a_key_twice_in_one_batch_read_leaves_a_buffer_unfilled(
+    store: MooncakeDistributedStore, arena: Arena, key: str
+) -> None:
+    """Why reads de-duplicate their keys first: both report success, one buffer stays as it was."""
+    assert store.put(key, b"HELLO") == OK
+    start = 500 * 1024
+    arena.fill(start, bytes([SENTINEL]) * 128)
+    got = store.batch_get_into([key, key], arena.spans([start, start + 64], [64, 64]), [64, 64])
+    assert _int_list(got) == [5, 5]
+    assert arena.read(start, 5) == bytes([SENTINEL]) * 5  # reported as read, never written
+    assert arena.read(start + 64, 5) == b"HELLO"

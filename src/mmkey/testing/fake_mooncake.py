@@ -765,7 +765,7 @@ class FakeMooncakeStore(_StoreBase):
             return fault
         return self._read_into(key, buffer_ptr, size)
 
-    def _read_into(self, key: str, ptr: int, size: int) -> int:
+    def _read_into(self, key: str, ptr: int, size: int, *, write: bool = True) -> int:
         master = self._master
         if master is None:
             return RPC_FAIL
@@ -775,7 +775,7 @@ class FakeMooncakeStore(_StoreBase):
         length = len(obj.value)
         if length > size or not self._registered(ptr, length):
             return INVALID_PARAMS
-        return self._scatter(key, [ptr], [length])
+        return self._scatter(key, [ptr], [length]) if write else length
 
     def batch_put_from(
         self,
@@ -804,11 +804,16 @@ class FakeMooncakeStore(_StoreBase):
         return [self._put_spans(k, [p], [n], config, True) for k, p, n in zip(keys, buffer_ptrs, sizes)]
 
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
-        """Bytes read or a negative code per key."""
+        """Bytes read or a negative code per key. A key given twice is read into its last
+        buffer only; its earlier buffers are left as they were, reported as read (measured)."""
         _, fault = self._call("batch_get_into")
         if fault is not None:
             return [fault] * len(keys)
-        return [self._read_into(k, p, n) for k, p, n in zip(keys, buffer_ptrs, sizes)]
+        last = {k: i for i, k in enumerate(keys)}
+        return [
+            self._read_into(k, p, n, write=last[k] == i)
+            for i, (k, p, n) in enumerate(zip(keys, buffer_ptrs, sizes))
+        ]
 
     def batch_put_from_multi_buffers(
         self,
