@@ -285,3 +285,14 @@ def test_the_fault_hooks_of_the_fake(master: FakeMooncakeMaster) -> None:
     assert master_answers(host, port, 1.0) and store.get("k") == b""
     assert store.close() == 0 and master.holders() == []
     assert FakeMooncakeStore().setup("127.0.0.1", "P2PHANDSHAKE", MiB, MiB, "tcp", "", "127.0.0.1:1") != 0
+
+
+def test_replicas_go_to_distinct_holders(
+    master: FakeMooncakeMaster, holders: tuple[Holder, Holder]
+) -> None:
+    pytest.importorskip("mooncake.store")  # the cache's placement settings are the binding's class
+    with make_cache(master, global_segment_size=0, replica_num=2) as cache:
+        assert cache.insert_batch([key(120)], [torch.ones(3)]) == [True]
+        assert sorted(master.holders_of(key(120).to_key())) == sorted(h.endpoint for h in holders)
+        got = cache.get_embeddings([key(120)])[0]
+        assert got is not None and torch.equal(got, torch.ones(3))
