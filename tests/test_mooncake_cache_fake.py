@@ -44,7 +44,8 @@ def make_cache(master: FakeMooncakeMaster, **overrides: object) -> MooncakeCache
         "retry_after": 30.0,
     }
     settings.update(overrides)
-    config = MooncakeConfig(master_server_address=master.address, **settings)  # type: ignore[arg-type]
+    address = master.address
+    config = MooncakeConfig(master_server_address=address, **settings)  # type: ignore[arg-type]
     return MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore)
 
 
@@ -60,7 +61,8 @@ class Holder:
 
     def __init__(self, master: FakeMooncakeMaster) -> None:
         self.store = FakeMooncakeStore()
-        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 16 * MiB, "tcp", "", master.address)
+        segment = 16 * MiB
+        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", segment, segment, "tcp", "", master.address)
         assert rc == 0
         self.endpoint = self.store.get_hostname()
 
@@ -90,7 +92,8 @@ def test_round_trip_through_every_path(cache: MooncakeCache, master: FakeMooncak
     assert torch.equal(target, tensors[0])
     assert cache.insert_from([key(4)], [[torch.ones(2, 3), torch.zeros(1, 3)]]) == [True]
     joined = cache.get_embeddings([key(4)])[0]
-    assert joined is not None and torch.equal(joined, torch.cat([torch.ones(2, 3), torch.zeros(1, 3)]))
+    assert joined is not None
+    assert torch.equal(joined, torch.cat([torch.ones(2, 3), torch.zeros(1, 3)]))
     stats = cache.stats()
     assert (stats.hits, stats.misses, stats.inserts, stats.errors) == (4, 0, 3, 0)
 
@@ -284,7 +287,8 @@ def test_the_fault_hooks_of_the_fake(master: FakeMooncakeMaster) -> None:
     master.restart()
     assert master_answers(host, port, 1.0) and store.get("k") == b""
     assert store.close() == 0 and master.holders() == []
-    assert FakeMooncakeStore().setup("127.0.0.1", "P2PHANDSHAKE", MiB, MiB, "tcp", "", "127.0.0.1:1") != 0
+    nowhere = FakeMooncakeStore()  # no fake master listens there
+    assert nowhere.setup("127.0.0.1", "P2PHANDSHAKE", MiB, MiB, "tcp", "", "127.0.0.1:1") != 0
 
 
 def test_replicas_go_to_distinct_holders(

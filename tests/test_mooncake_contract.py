@@ -1,8 +1,9 @@
 """Contract of stubs/mooncake/store.pyi: the real binding returns what the stub says, and so
 does the fake (`mmkey.testing.fake_mooncake`): every test runs against both.
 
-The real binding runs against a real local master. Every store here is set up successfully before any call
-other than ``health_check``/``close`` (the binding crashes the interpreter otherwise).
+The real binding runs against a real local master, the fake against a `FakeMooncakeMaster`.
+Every store here is set up successfully before any call other than ``health_check``/``close``
+(the binding crashes the interpreter otherwise).
 
 Multi-buffer (scatter/gather) transfers, measured on 0.3.13.post1:
 
@@ -544,7 +545,9 @@ def _stub_signatures() -> dict[str, list[tuple[str, str, bool]]]:
     """Each method of the stub's store class not overloaded: (name, kind, has a default) per
     parameter after ``self``."""
     tree = ast.parse(STUB.read_text())
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MooncakeDistributedStore"]
+    (cls,) = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MooncakeDistributedStore"
+    ]
     found: dict[str, list[tuple[str, str, bool]]] = {}
     for node in cls.body:
         if not isinstance(node, ast.FunctionDef) or node.decorator_list:
@@ -556,7 +559,8 @@ def _stub_signatures() -> dict[str, list[tuple[str, str, bool]]]:
             (p.arg, "POSITIONAL_ONLY" if p in a.posonlyargs else "POSITIONAL_OR_KEYWORD", d)
             for p, d in zip(positional, defaults)
         ]
-        params += [(p.arg, "KEYWORD_ONLY", d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
+        keyword_only = zip(a.kwonlyargs, a.kw_defaults)
+        params += [(p.arg, "KEYWORD_ONLY", d is not None) for p, d in keyword_only]
         found[node.name] = params[1:]
     return found
 

@@ -15,7 +15,8 @@ loopback listener, so a cache runs on it unchanged::
             ...
 
 Faults are injected, never timed: `FakeMooncakeMaster.fail_next` (the next calls of a method
-return a code), `~FakeMooncakeMaster.kill`/`~FakeMooncakeMaster.restart` (every call fails with `RPC_FAIL`, the objects are lost),
+return a code), `~FakeMooncakeMaster.kill`/`~FakeMooncakeMaster.restart` (every call fails
+with `RPC_FAIL`, the objects are lost),
 `make_unreachable` (transfers from a holder fail with `TRANSFER_FAIL`), `pause_holder`
 (transfers from a holder block until `resume_holder`, then land, like a holder that was
 stopped), `flip_byte` (corrupt a stored value) and `delay` (a method sleeps first). `calls` counts
@@ -43,6 +44,7 @@ import attrs
 
 if TYPE_CHECKING:
     import mooncake.store
+    from mooncake.store import ReplicateConfig
     from typing_extensions import Self
 
     # the binding's classes type these fakes (mypy checks each override against the stub),
@@ -434,7 +436,7 @@ class FakeMooncakeMaster:
 
 def _check_key(key: object) -> str:
     if not isinstance(key, str):
-        raise TypeError(f"incompatible function arguments: key must be str, got {type(key).__name__}")
+        raise TypeError(f"incompatible function arguments: key is {type(key).__name__}, not str")
     return key
 
 
@@ -444,7 +446,7 @@ def _as_bytes(value: bytes | bytearray | memoryview) -> bytes:
     return bytes(view.cast("B")[: len(view)]) if view.ndim else b""
 
 
-def _replica_num(config: mooncake.store.ReplicateConfig | None) -> int:
+def _replica_num(config: ReplicateConfig | None) -> int:
     return 1 if config is None else int(config.replica_num)
 
 
@@ -529,30 +531,41 @@ class FakeMooncakeStore(_StoreBase):
 
     # -- single key ------------------------------------------------------------------------
 
-    def _call(self, method: str) -> tuple[FakeMooncakeMaster | None, int | None]:
+    def _call(self, method: str) -> FakeMooncakeMaster | int:
+        """The master to answer a call of `method`, or the code the call fails with."""
         master = self._master
         if master is None:
-            return None, RPC_FAIL
-        return master, master._enter(method)
+            return RPC_FAIL
+        fault = master._enter(method)
+        return master if fault is None else fault
 
     def _write(
-        self, method: str, key: str, value: bytes, config: mooncake.store.ReplicateConfig | None, replace: bool
+        self,
+        method: str,
+        key: str,
+        value: bytes,
+        config: ReplicateConfig | None,
+        replace: bool,
     ) -> int:
-        master, fault = self._call(method)
-        if fault is not None or master is None:
-            return fault if fault is not None else RPC_FAIL
+        master = self._call(method)
+        if isinstance(master, int):
+            return master
         if not key or not value:
             return INVALID_PARAMS
         return master._store(key, value, self._endpoint, _replica_num(config), replace)
 
-    def put(self, key: str, value: bytes | bytearray | memoryview, config: mooncake.store.ReplicateConfig | None = None) -> int:
+    def put(
+        self, key: str, value: bytes | bytearray | memoryview, config: ReplicateConfig | None = None
+    ) -> int:
         """0 (an existing key keeps its value), or a negative code."""
         data = _as_bytes(value)
         if len(data) > self._local_buffer_size:
             return INVALID_PARAMS
         return self._write("put", _check_key(key), data, config, replace=False)
 
-    def upsert(self, key: str, value: bytes | bytearray | memoryview, config: mooncake.store.ReplicateConfig | None = None) -> int:
+    def upsert(
+        self, key: str, value: bytes | bytearray | memoryview, config: ReplicateConfig | None = None
+    ) -> int:
         """0 (replacing an existing value), or a negative code."""
         data = _as_bytes(value)
         if len(data) > self._local_buffer_size:
@@ -561,54 +574,56 @@ class FakeMooncakeStore(_StoreBase):
 
     def get(self, key: str, /) -> bytes:
         """The value, or ``b""``."""
-        master, fault = self._call("get")
-        if fault is not None or master is None:
+        master = self._call("get")
+        if isinstance(master, int):
             return b""
         got = master._read(_check_key(key))
         return got if isinstance(got, bytes) else b""
 
     def get_size(self, key: str, /) -> int:
         """The value's size, or a negative code."""
-        master, fault = self._call("get_size")
-        if fault is not None or master is None:
-            return fault if fault is not None else RPC_FAIL
+        master = self._call("get_size")
+        if isinstance(master, int):
+            return master
         obj = master._look(_check_key(key))
         return NOT_FOUND if obj is None else len(obj.value)
 
     def is_exist(self, key: str, /) -> int:
         """1, 0, or a negative code."""
-        master, fault = self._call("is_exist")
-        if fault is not None or master is None:
-            return fault if fault is not None else RPC_FAIL
+        master = self._call("is_exist")
+        if isinstance(master, int):
+            return master
         return int(master._look(_check_key(key)) is not None)
 
     def remove(self, key: str, force: bool = False) -> int:
         """0, `NOT_FOUND`, or `HAS_LEASE` unless ``force``."""
-        master, fault = self._call("remove")
-        if fault is not None or master is None:
-            return fault if fault is not None else RPC_FAIL
+        master = self._call("remove")
+        if isinstance(master, int):
+            return master
         return master._remove(_check_key(key), force)
 
     def remove_all(self, force: bool = False) -> int:
         """How many objects were removed, or a negative code."""
-        master, fault = self._call("remove_all")
-        if fault is not None or master is None:
-            return fault if fault is not None else RPC_FAIL
+        master = self._call("remove_all")
+        if isinstance(master, int):
+            return master
         return sum(master._remove(k, force) == OK for k in master.keys())
 
     # -- replicas --------------------------------------------------------------------------
 
     def get_replica_desc(self, key: str) -> list[mooncake.store.ReplicaDescriptor]:
         """Where ``key``'s replicas sit (``[]`` if absent or on a fault)."""
-        master, fault = self._call("get_replica_desc")
-        if fault is not None or master is None:
+        master = self._call("get_replica_desc")
+        if isinstance(master, int):
             return []
         return master._replicas(_check_key(key))
 
-    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[mooncake.store.ReplicaDescriptor]]:
+    def batch_get_replica_desc(
+        self, keys: list[str]
+    ) -> dict[str, list[mooncake.store.ReplicaDescriptor]]:
         """Where each held key's replicas sit; absent keys are left out (all on a fault)."""
-        master, fault = self._call("batch_get_replica_desc")
-        if fault is not None or master is None:
+        master = self._call("batch_get_replica_desc")
+        if isinstance(master, int):
             return {}
         found = {_check_key(k): master._replicas(k) for k in keys}
         return {k: v for k, v in found.items() if v}
@@ -617,24 +632,24 @@ class FakeMooncakeStore(_StoreBase):
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         """1 / 0 / a negative code per key."""
-        master, fault = self._call("batch_is_exist")
-        if fault is not None or master is None:
-            return [fault if fault is not None else RPC_FAIL] * len(keys)
+        master = self._call("batch_is_exist")
+        if isinstance(master, int):
+            return [master] * len(keys)
         return [int(master._look(_check_key(k)) is not None) for k in keys]
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
         """A code per key."""
-        master, fault = self._call("batch_remove")
-        if fault is not None or master is None:
-            return [fault if fault is not None else RPC_FAIL] * len(keys)
+        master = self._call("batch_remove")
+        if isinstance(master, int):
+            return [master] * len(keys)
         return [master._remove(_check_key(k), force) for k in keys]
 
     def get_batch(self, keys: list[str], /) -> list[bytes]:
         """A value or ``b""`` per key; ``[b""]`` for no keys, like the binding."""
         if not keys:
             return [b""]
-        master, fault = self._call("get_batch")
-        if fault is not None or master is None:
+        master = self._call("get_batch")
+        if isinstance(master, int):
             return [b""] * len(keys)
         read = [master._read(_check_key(k)) for k in keys]
         return [v if isinstance(v, bytes) else b"" for v in read]
@@ -644,15 +659,16 @@ class FakeMooncakeStore(_StoreBase):
         method: str,
         keys: list[str],
         values: Sequence[bytes | bytearray | memoryview],
-        config: mooncake.store.ReplicateConfig | None,
+        config: ReplicateConfig | None,
         replace: bool,
     ) -> int:
-        master, fault = self._call(method)
-        if fault is not None or master is None:
-            return fault if fault is not None else RPC_FAIL
+        master = self._call(method)
+        if isinstance(master, int):
+            return master
         data = [_as_bytes(v) for v in values]
         if len(data) != len(keys) or any(
-            not _check_key(k) or not d or len(d) > self._local_buffer_size for k, d in zip(keys, data)
+            not _check_key(k) or not d or len(d) > self._local_buffer_size
+            for k, d in zip(keys, data)
         ):
             return INVALID_PARAMS  # one bad item fails the batch, nothing stored
         for key, value in zip(keys, data):
@@ -662,13 +678,19 @@ class FakeMooncakeStore(_StoreBase):
         return OK
 
     def put_batch(
-        self, keys: list[str], values: Sequence[bytes | bytearray | memoryview], config: mooncake.store.ReplicateConfig | None = None
+        self,
+        keys: list[str],
+        values: Sequence[bytes | bytearray | memoryview],
+        config: ReplicateConfig | None = None,
     ) -> int:
         """One code for the batch."""
         return self._write_batch("put_batch", keys, values, config, replace=False)
 
     def upsert_batch(
-        self, keys: list[str], values: Sequence[bytes | bytearray | memoryview], config: mooncake.store.ReplicateConfig | None = None
+        self,
+        keys: list[str],
+        values: Sequence[bytes | bytearray | memoryview],
+        config: ReplicateConfig | None = None,
     ) -> int:
         """One code for the batch."""
         return self._write_batch("upsert_batch", keys, values, config, replace=True)
@@ -733,7 +755,7 @@ class FakeMooncakeStore(_StoreBase):
         key: str,
         ptrs: Sequence[int],
         sizes: Sequence[int],
-        config: mooncake.store.ReplicateConfig | None,
+        config: ReplicateConfig | None,
         replace: bool,
     ) -> int:
         master = self._master
@@ -745,24 +767,28 @@ class FakeMooncakeStore(_StoreBase):
         return master._store(key, data, self._endpoint, _replica_num(config), replace)
 
     def put_from(
-        self, key: str, buffer_ptr: int, size: int, config: mooncake.store.ReplicateConfig | None = None
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
     ) -> int:
         """0 (an existing key keeps its value), or a negative code."""
-        _, fault = self._call("put_from")
-        return fault if fault is not None else self._put_spans(key, [buffer_ptr], [size], config, False)
+        master = self._call("put_from")
+        if isinstance(master, int):
+            return master
+        return self._put_spans(key, [buffer_ptr], [size], config, False)
 
     def upsert_from(
-        self, key: str, buffer_ptr: int, size: int, config: mooncake.store.ReplicateConfig | None = None
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
     ) -> int:
         """0 (replacing an existing value), or a negative code."""
-        _, fault = self._call("upsert_from")
-        return fault if fault is not None else self._put_spans(key, [buffer_ptr], [size], config, True)
+        master = self._call("upsert_from")
+        if isinstance(master, int):
+            return master
+        return self._put_spans(key, [buffer_ptr], [size], config, True)
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Bytes read, `INVALID_PARAMS` if ``size`` is too small, `NOT_FOUND`."""
-        _, fault = self._call("get_into")
-        if fault is not None:
-            return fault
+        master = self._call("get_into")
+        if isinstance(master, int):
+            return master
         return self._read_into(key, buffer_ptr, size)
 
     def _read_into(self, key: str, ptr: int, size: int, *, write: bool = True) -> int:
@@ -782,33 +808,37 @@ class FakeMooncakeStore(_StoreBase):
         keys: list[str],
         buffer_ptrs: list[int],
         sizes: list[int],
-        config: mooncake.store.ReplicateConfig | None = None,
+        config: ReplicateConfig | None = None,
     ) -> list[int]:
         """A code per key (existing keys keep their values)."""
-        _, fault = self._call("batch_put_from")
-        if fault is not None:
-            return [fault] * len(keys)
-        return [self._put_spans(k, [p], [n], config, False) for k, p, n in zip(keys, buffer_ptrs, sizes)]
+        master = self._call("batch_put_from")
+        if isinstance(master, int):
+            return [master] * len(keys)
+        spans = zip(keys, buffer_ptrs, sizes)
+        return [self._put_spans(k, [p], [n], config, False) for k, p, n in spans]
 
     def batch_upsert_from(
         self,
         keys: list[str],
         buffer_ptrs: list[int],
         sizes: list[int],
-        config: mooncake.store.ReplicateConfig | None = None,
+        config: ReplicateConfig | None = None,
     ) -> list[int]:
         """A code per key."""
-        _, fault = self._call("batch_upsert_from")
-        if fault is not None:
-            return [fault] * len(keys)
-        return [self._put_spans(k, [p], [n], config, True) for k, p, n in zip(keys, buffer_ptrs, sizes)]
+        master = self._call("batch_upsert_from")
+        if isinstance(master, int):
+            return [master] * len(keys)
+        spans = zip(keys, buffer_ptrs, sizes)
+        return [self._put_spans(k, [p], [n], config, True) for k, p, n in spans]
 
-    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+    def batch_get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
         """Bytes read or a negative code per key. A key given twice is read into its last
         buffer only; its earlier buffers are left as they were, reported as read (measured)."""
-        _, fault = self._call("batch_get_into")
-        if fault is not None:
-            return [fault] * len(keys)
+        master = self._call("batch_get_into")
+        if isinstance(master, int):
+            return [master] * len(keys)
         last = {k: i for i, k in enumerate(keys)}
         return [
             self._read_into(k, p, n, write=last[k] == i)
@@ -820,14 +850,15 @@ class FakeMooncakeStore(_StoreBase):
         keys: list[str],
         all_buffer_ptrs: list[list[int]],
         all_sizes: list[list[int]],
-        config: mooncake.store.ReplicateConfig | None = None,
+        config: ReplicateConfig | None = None,
     ) -> list[int]:
         """A code per key; each value is its buffers joined (an existing key keeps its value)."""
-        _, fault = self._call("batch_put_from_multi_buffers")
-        if fault is not None:
-            return [fault] * len(keys)
+        master = self._call("batch_put_from_multi_buffers")
+        if isinstance(master, int):
+            return [master] * len(keys)
         return [
-            self._put_spans(k, p, n, config, False) for k, p, n in zip(keys, all_buffer_ptrs, all_sizes)
+            self._put_spans(k, p, n, config, False)
+            for k, p, n in zip(keys, all_buffer_ptrs, all_sizes)
         ]
 
     def batch_get_into_multi_buffers(
@@ -839,9 +870,9 @@ class FakeMooncakeStore(_StoreBase):
     ) -> list[int]:
         """Per key: its size when the sizes sum to it, `INVALID_PARAMS` if to less,
         `TRANSFER_FAIL` if to more, `NOT_FOUND`."""
-        _, fault = self._call("batch_get_into_multi_buffers")
-        if fault is not None:
-            return [fault] * len(keys)
+        master = self._call("batch_get_into_multi_buffers")
+        if isinstance(master, int):
+            return [master] * len(keys)
         return [self._scatter(k, p, n) for k, p, n in zip(keys, all_buffer_ptrs, all_sizes)]
 
     def __repr__(self) -> str:
