@@ -1,7 +1,9 @@
-"""Contract of stubs/mooncake/store.pyi: the real binding returns what the stub says.
+"""Contract of stubs/mooncake/store.pyi: the real binding returns what the stub says, and so
+does the fake (`mmkey.testing.fake_mooncake`): every test runs against both.
 
-Runs against a real local master. Every store here is set up successfully before any call
-other than ``health_check``/``close`` (the binding crashes the interpreter otherwise).
+The real binding runs against a real local master, the fake against a `FakeMooncakeMaster`.
+Every store here is set up successfully before any call other than ``health_check``/``close``
+(the binding crashes the interpreter otherwise).
 
 Multi-buffer (scatter/gather) transfers, measured on 0.3.13.post1:
 
@@ -22,28 +24,27 @@ Multi-buffer (scatter/gather) transfers, measured on 0.3.13.post1:
 from __future__ import annotations
 
 import array
+import ast
 import ctypes
+import inspect
 import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
+import attrs
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from mmkey.testing.mooncake_master import MasterProcess, master_unavailable_reason
+from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore, FakeReplicateConfig
+from mmkey.testing.mooncake_master import master_unavailable_reason
 from mmkey.testing.pytest_plugin import REQUIRE_ENV
 
-_unavailable = master_unavailable_reason()
-if _unavailable is not None:
-    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
-        pytest.fail(f"{REQUIRE_ENV} is set but {_unavailable}", pytrace=False)
-    pytest.skip(_unavailable, allow_module_level=True)
-
-from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
-
-pytestmark = pytest.mark.mooncake
+if TYPE_CHECKING:
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
 MiB = 1 << 20
 OK = 0
@@ -51,10 +52,72 @@ INVALID_PARAMS = -600
 NOT_FOUND = -704
 HAS_LEASE = -706
 TRANSFER_FAIL = -800
+STUB = Path(__file__).resolve().parent.parent / "stubs" / "mooncake" / "store.pyi"
 
 
-def _setup(address: str, segment: int = 64 * MiB) -> MooncakeDistributedStore:
-    store = MooncakeDistributedStore()
+class Master(Protocol):
+    """What these tests do with a master: the real `MasterProcess` or a `FakeMooncakeMaster`."""
+
+    @property
+    def address(self) -> str: ...
+    def kill(self) -> None: ...
+    def restart(self) -> None: ...
+
+
+@attrs.frozen
+class Binding:
+    """The client classes under test: the real binding's, or the fake's."""
+
+    name: str
+    store_class: type[MooncakeDistributedStore]
+    replicate_config: type[ReplicateConfig]
+
+
+def _real_binding() -> Binding:
+    unavailable = master_unavailable_reason()
+    if unavailable is not None:
+        if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+            pytest.fail(f"{REQUIRE_ENV} is set but {unavailable}", pytrace=False)
+        pytest.skip(unavailable)
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    return Binding("real", MooncakeDistributedStore, ReplicateConfig)
+
+
+@pytest.fixture(
+    scope="module", params=[pytest.param("real", marks=pytest.mark.mooncake), "fake"]
+)
+def binding(request: pytest.FixtureRequest) -> Binding:
+    """Each test runs once against the real binding and once against the fake."""
+    if request.param == "real":
+        return _real_binding()
+    return Binding("fake", FakeMooncakeStore, FakeReplicateConfig)
+
+
+@pytest.fixture(scope="module")
+def session_master(binding: Binding, request: pytest.FixtureRequest) -> Iterator[Master]:
+    """A master shared by the module's tests: leave it running."""
+    if binding.name == "real":
+        yield request.getfixturevalue("mooncake_master_session")
+        return
+    with FakeMooncakeMaster() as master:
+        yield master
+
+
+@pytest.fixture
+def fresh_master(binding: Binding, request: pytest.FixtureRequest) -> Iterator[Master]:
+    """A fresh master for one test (kill and restart it freely)."""
+    if binding.name == "real":
+        yield request.getfixturevalue("mooncake_master")
+        return
+    with FakeMooncakeMaster() as master:
+        yield master
+
+
+def _setup(
+    binding: Binding, address: str, segment: int = 64 * MiB
+) -> MooncakeDistributedStore:
+    store = binding.store_class()
     rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment, 64 * MiB, "tcp", "", address)
     assert type(rc) is int
     if rc != OK:
@@ -64,8 +127,8 @@ def _setup(address: str, segment: int = 64 * MiB) -> MooncakeDistributedStore:
 
 
 @pytest.fixture(scope="module")
-def store(mooncake_master_session: MasterProcess) -> Iterator[MooncakeDistributedStore]:
-    s = _setup(mooncake_master_session.address)
+def store(binding: Binding, session_master: Master) -> Iterator[MooncakeDistributedStore]:
+    s = _setup(binding, session_master.address)
     yield s
     assert s.close() == OK
 
@@ -165,8 +228,8 @@ def test_batches(store: MooncakeDistributedStore, key: str) -> None:
     assert store.get_batch([]) == [b""]  # not []: callers must not send an empty batch
 
 
-def test_replicate_config(store: MooncakeDistributedStore, key: str) -> None:
-    config = ReplicateConfig()
+def test_replicate_config(store: MooncakeDistributedStore, binding: Binding, key: str) -> None:
+    config = binding.replicate_config()
     assert type(config.replica_num) is int
     assert config.replica_num == 1
     assert type(config.with_hard_pin) is bool
@@ -180,8 +243,10 @@ def test_replicate_config(store: MooncakeDistributedStore, key: str) -> None:
     assert store.get_batch([key, key + "-b"]) == [b"w", b"v"]
 
 
-def test_keyword_names_of_the_stub(store: MooncakeDistributedStore, key: str) -> None:
-    assert store.put(key=key, value=b"v", config=ReplicateConfig()) == OK
+def test_keyword_names_of_the_stub(
+    store: MooncakeDistributedStore, binding: Binding, key: str
+) -> None:
+    assert store.put(key=key, value=b"v", config=binding.replicate_config()) == OK
     assert store.upsert(key=key, value=b"w") == OK
     assert store.batch_is_exist(keys=[key]) == [1]
     assert store.put_batch(keys=[key + "-b"], values=[b"v"]) == OK
@@ -246,13 +311,13 @@ def test_zero_copy(store: MooncakeDistributedStore, key: str) -> None:
     del view
 
 
-def test_setup_forms_and_close(mooncake_master: MasterProcess) -> None:
-    address = mooncake_master.address
-    fresh = MooncakeDistributedStore()
+def test_setup_forms_and_close(binding: Binding, fresh_master: Master) -> None:
+    address = fresh_master.address
+    fresh = binding.store_class()
     assert fresh.health_check() == 1  # not set up: the only calls allowed are these two
     assert fresh.close() == OK
 
-    by_keyword = MooncakeDistributedStore()
+    by_keyword = binding.store_class()
     rc = by_keyword.setup(
         local_hostname="127.0.0.1",
         metadata_server="P2PHANDSHAKE",
@@ -263,7 +328,7 @@ def test_setup_forms_and_close(mooncake_master: MasterProcess) -> None:
         master_server_addr=address,
     )
     assert rc == OK
-    by_dict = MooncakeDistributedStore()
+    by_dict = binding.store_class()
     config = {
         "local_hostname": "127.0.0.1",
         "metadata_server": "P2PHANDSHAKE",
@@ -293,12 +358,14 @@ def test_setup_forms_and_close(mooncake_master: MasterProcess) -> None:
     assert by_keyword.close() == OK  # closing twice is fine
 
 
-def test_master_restart_loses_keys_and_client_recovers(mooncake_master: MasterProcess) -> None:
-    s = _setup(mooncake_master.address)
+def test_master_restart_loses_keys_and_client_recovers(
+    binding: Binding, fresh_master: Master
+) -> None:
+    s = _setup(binding, fresh_master.address)
     try:
         assert s.put("survivor", b"v") == OK
-        mooncake_master.kill()
-        mooncake_master.restart()
+        fresh_master.kill()
+        fresh_master.restart()
         deadline = time.monotonic() + 20.0
         rc = s.put("after-restart", b"w")
         while rc != OK and time.monotonic() < deadline:
@@ -458,12 +525,12 @@ def test_multi_buffer_put_does_not_overwrite(
 
 
 def test_multi_buffer_keyword_names_of_the_stub(
-    store: MooncakeDistributedStore, arena: Arena, key: str
+    store: MooncakeDistributedStore, binding: Binding, arena: Arena, key: str
 ) -> None:
     arena.fill(400 * 1024, b"kw")
     ptrs = [arena.spans([400 * 1024, 400 * 1024 + 1], [1, 1])]
     rc = store.batch_put_from_multi_buffers(
-        keys=[key], all_buffer_ptrs=ptrs, all_sizes=[[1, 1]], config=ReplicateConfig()
+        keys=[key], all_buffer_ptrs=ptrs, all_sizes=[[1, 1]], config=binding.replicate_config()
     )
     assert _int_list(rc) == [OK]
     into = [arena.spans([410 * 1024], [2])]
@@ -472,3 +539,55 @@ def test_multi_buffer_keyword_names_of_the_stub(
     )
     assert _int_list(got) == [2]
     assert arena.read(410 * 1024, 2) == b"kw"
+
+
+def _stub_signatures() -> dict[str, list[tuple[str, str, bool]]]:
+    """Each method of the stub's store class not overloaded: (name, kind, has a default) per
+    parameter after ``self``."""
+    tree = ast.parse(STUB.read_text())
+    (cls,) = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MooncakeDistributedStore"
+    ]
+    found: dict[str, list[tuple[str, str, bool]]] = {}
+    for node in cls.body:
+        if not isinstance(node, ast.FunctionDef) or node.decorator_list:
+            continue
+        a = node.args
+        positional = [*a.posonlyargs, *a.args]
+        defaults = [False] * (len(positional) - len(a.defaults)) + [True] * len(a.defaults)
+        params = [
+            (p.arg, "POSITIONAL_ONLY" if p in a.posonlyargs else "POSITIONAL_OR_KEYWORD", d)
+            for p, d in zip(positional, defaults)
+        ]
+        keyword_only = zip(a.kwonlyargs, a.kw_defaults)
+        params += [(p.arg, "KEYWORD_ONLY", d is not None) for p, d in keyword_only]
+        found[node.name] = params[1:]
+    return found
+
+
+def test_fake_has_every_method_of_the_stub_with_its_parameters() -> None:
+    stub = _stub_signatures()
+    assert {"put", "get_into", "batch_get_into_multi_buffers"} <= set(stub)  # the parse found them
+    assert hasattr(FakeMooncakeStore, "setup")  # overloaded in the stub: mypy checks its forms
+    for name, params in stub.items():
+        method = getattr(FakeMooncakeStore, name, None)
+        assert method is not None, f"FakeMooncakeStore lacks {name}"
+        signature = inspect.signature(method)
+        fake = [
+            (p.name, p.kind.name, p.default is not inspect.Parameter.empty)
+            for p in list(signature.parameters.values())[1:]
+        ]
+        assert fake == params, name
+
+
+def test_a_key_twice_in_one_batch_read_leaves_a_buffer_unfilled(
+    store: MooncakeDistributedStore, arena: Arena, key: str
+) -> None:
+    """Why reads de-duplicate their keys first: both report success, one buffer stays as it was."""
+    assert store.put(key, b"HELLO") == OK
+    start = 500 * 1024
+    arena.fill(start, bytes([SENTINEL]) * 128)
+    got = store.batch_get_into([key, key], arena.spans([start, start + 64], [64, 64]), [64, 64])
+    assert _int_list(got) == [5, 5]
+    assert arena.read(start, 5) == bytes([SENTINEL]) * 5  # reported as read, never written
+    assert arena.read(start + 64, 5) == b"HELLO"

@@ -62,3 +62,17 @@ def binding_types(store: MooncakeDistributedStore) -> None:
     store.put(5, b"v")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     store.batch_is_exist("k")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     store.put("k", "text")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+
+
+def fake_store_types(config: MooncakeConfig) -> None:
+    from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
+
+    store: MooncakeDistributedStore = FakeMooncakeStore()  # a substitute, as the stub types it
+    assert_type(store.batch_get_into(["k"], [0], [1]), list[int])
+    MooncakeCache(config, store_class=FakeMooncakeStore)
+    MooncakeCache(config, store_class=FakeMooncakeMaster)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    MooncakeCache(config, store_class=FakeMooncakeStore())  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    master = FakeMooncakeMaster()
+    master.fail_next("get_size", code="-900")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    assert_type(master.address, str)
+    master.close()

@@ -154,10 +154,17 @@ class MooncakeCache:
     of the serving processes, run them as pure clients (``global_segment_size=0``) beside
     dedicated holder processes that lend the memory, and write ``replica_num`` > 1 copies
     so that one holder's death loses nothing.
+
+    ``store_class`` is for tests: a stand-in for the binding's ``MooncakeDistributedStore``
+    (`mmkey.testing.fake_mooncake.FakeMooncakeStore`); by default the binding's own.
     """
 
     def __init__(
-        self, config: MooncakeConfig, *, keyring: EntryKeyring | FromEnv | None = FROM_ENV
+        self,
+        config: MooncakeConfig,
+        *,
+        keyring: EntryKeyring | FromEnv | None = FROM_ENV,
+        store_class: type[MooncakeDistributedStore] | None = None,
     ) -> None:
         value: object = config
         if not isinstance(value, MooncakeConfig):
@@ -166,7 +173,10 @@ class MooncakeCache:
                 "use MooncakeConfig(master_server_address='host:port') or MooncakeConfig.from_env()"
             )
         try:
-            from mooncake.store import MooncakeDistributedStore
+            if store_class is None:
+                from mooncake.store import MooncakeDistributedStore
+
+                store_class = MooncakeDistributedStore
         except ImportError as exc:
             raise StoreError(f"the Mooncake binding cannot be imported ({exc}); {_INSTALL_HINT}") from None
         self._config = config
@@ -180,7 +190,7 @@ class MooncakeCache:
             _LOG, logging.WARNING, "Mooncake entries that did not verify, served as misses: %s%s", period=_LOG_EVERY_S
         )
         self._transport = StoreTransport(
-            config, MooncakeDistributedStore, functools.partial(self._counts.add, errors=1), self._skipped_by_breaker
+            config, store_class, functools.partial(self._counts.add, errors=1), self._skipped_by_breaker
         )
         self._replicas: ReplicateConfig | None = None  # made on first write
         self._grouped_until = 0.0  # reads look holders up until then (after a failure)
