@@ -20,9 +20,11 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import psutil
+
 from mmkey._net import port_accepts
 from mmkey.testing._process import POLL_S, ManagedProcess
-from mmkey.testing._procnet import listening_sockets, socket_inodes
 
 __all__ = [
     "HOST",
@@ -123,19 +125,19 @@ def _health(metrics_port: int, timeout: float, host: str = HOST) -> dict[str, ob
 
 
 def _owns_listener(pid: int, port: int) -> bool:
-    """Whether ``pid`` holds the socket listening on ``port`` (``True`` where /proc cannot tell).
+    """Whether ``pid`` holds a socket listening on ``port`` (``True`` where its sockets are
+    not ours to read).
 
     Guards against a port taken by someone else: that master exits, but for a moment the other
     process answers on the port and would look like ours.
     """
-    listening = listening_sockets()
-    if listening is None:
+    try:
+        sockets = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.AccessDenied:
         return True
-    inodes = {inode for inode, (_, bound) in listening.items() if bound == port}
-    if not inodes:
+    except psutil.NoSuchProcess:
         return False
-    held = socket_inodes(pid)
-    return True if held is None else not held.isdisjoint(inodes)
+    return any(s.status == psutil.CONN_LISTEN and s.laddr.port == port for s in sockets)
 
 
 class MasterProcess(ManagedProcess):
@@ -185,11 +187,6 @@ class MasterProcess(ManagedProcess):
     def address(self) -> str:
         """``"HOST:RPC_PORT"``, what a store's ``master_server_addr`` takes."""
         return f"{self._host}:{self._rpc_port}"
-
-    @property
-    def health_url(self) -> str:
-        """URL of the master's ``/health`` document."""
-        return f"http://{self._host}:{self._metrics_port}/health"
 
     @property
     def log_path(self) -> Path:
