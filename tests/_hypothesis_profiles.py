@@ -20,9 +20,11 @@ _NOT_SET = ("", "0", "false", "no")
 
 def register_profiles() -> None:
     """Register ``ci``, ``dev`` and ``quick`` (a loaded host: no deadline, slow data allowed)."""
-    loaded_host = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
-    settings.register_profile("ci", derandomize=True, print_blob=True, **loaded_host)
-    settings.register_profile("dev", max_examples=100, **loaded_host)
+    # from hypothesis's own defaults, whichever profile it loaded itself (its `ci` where `CI` is set)
+    base = settings.get_profile("default")
+    loaded_host = settings(base, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("ci", loaded_host, derandomize=True, print_blob=True)
+    settings.register_profile("dev", loaded_host, max_examples=100)
     settings.register_profile("quick", settings.get_profile("ci"), max_examples=10)
 
 

@@ -57,6 +57,7 @@ def test_this_run_loaded_the_profile_its_environment_selects() -> None:
         ({"CI": "true"}, "ci True 100"),
         ({"CI": "true", "HYPOTHESIS_PROFILE": "quick"}, "quick True 10"),
         ({"HYPOTHESIS_PROFILE": "ci"}, "ci True 100"),
+        ({"HYPOTHESIS_PROFILE": "dev", "CI": "true"}, "dev False 100"),
     ],
 )
 def test_a_fresh_run_loads_the_selected_profile(environ: dict[str, str], expected: str) -> None:
