@@ -121,6 +121,8 @@ test-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
 # the four lanes one after another: on 2 cores, running them at once crowded the timing of
 # the Mooncake tests (TEST_LANES=4 runs them side by side on a bigger machine)
 TEST_LANES ?= 1
+# every lane with CI's hypothesis profile (derandomized: the same verdict on every run)
+test: export HYPOTHESIS_PROFILE ?= ci
 test: $(VENV)/.dev
 	$(MAKE) --no-print-directory -j$(TEST_LANES) -O pytest static-checks test-vllm test-sglang
 

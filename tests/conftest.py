@@ -6,19 +6,12 @@ import os
 import sys
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile("dev", deadline=None, max_examples=200)
-# `make check`, the edit-test loop: the ci profile with fewer examples
-settings.register_profile("quick", settings.get_profile("ci"), max_examples=10)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+from _hypothesis_profiles import profile_for, register_profiles
+
+register_profiles()
+settings.load_profile(profile_for(os.environ))
 
 
 # mmkey's pytest plugin (the `mooncake_master` fixtures). An installed mmkey registers it via

@@ -25,15 +25,18 @@ def key(name: str) -> EmbeddingKey:
 
 
 class GatedCache(MemoryCache):
-    """A MemoryCache whose writes wait for `gate` (or raise when `fail` is set)."""
+    """A MemoryCache whose writes wait for `gate` (or raise when `fail` is set); `entered` is
+    set once a write is waiting there."""
 
     def __init__(self) -> None:
         super().__init__(64 << 20)
         self.gate = threading.Event()
+        self.entered = threading.Event()
         self.fail = False
         self.batches: list[int] = []
 
     def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
+        self.entered.set()
         self.gate.wait(10)
         self.batches.append(len(keys))
         if self.fail:
@@ -76,7 +79,7 @@ def test_a_key_already_queued_is_queued_once_and_writes_are_batched() -> None:
     saver = BackgroundSaver(cache, 1 << 20)
     t = torch.ones(4, 4)
     assert saver.submit(key("first"), t)
-    time.sleep(0.2)  # the saver thread takes "first" and waits at the gate
+    assert cache.entered.wait(10)  # the saver thread took "first" and waits at the gate
     for name in ("a", "b", "a", "c"):
         assert saver.submit(key(name), t)
     cache.gate.set()
@@ -90,7 +93,7 @@ def test_writes_are_split_to_fit_the_batch_budget() -> None:
     saver = BackgroundSaver(cache, 1 << 20, max_batch_bytes=1024)
     t = torch.zeros(8, 16)  # 512 bytes
     saver.submit(key("first"), t)
-    time.sleep(0.2)
+    assert cache.entered.wait(10)
     big = torch.zeros(8, 64)  # 2 KiB: more than a batch alone
     for name, tensor in [("a", t), ("b", t), ("c", t), ("big", big), ("d", t)]:
         saver.submit(key(name), tensor)
@@ -132,7 +135,7 @@ def test_close_drops_what_it_cannot_finish_and_refuses_more() -> None:
     cache = GatedCache()
     saver = BackgroundSaver(cache, 1 << 20)
     saver.submit(key("stuck"), torch.ones(2))
-    time.sleep(0.2)
+    assert cache.entered.wait(10)
     saver.submit(key("queued"), torch.ones(2))
     assert not saver.close(0.2)
     assert not saver.submit(key("late"), torch.ones(2))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,12 +27,20 @@ def key(i: int) -> EmbeddingKey:
     return EmbeddingKey("vit", Modality.VIDEO, HashScheme.BLAKE3, mm_hash(i))
 
 
-class SlowCache(MemoryCache):
-    """A MemoryCache whose reads take 0.2 s, like a store behind a slow network."""
+class HeldReads(MemoryCache):
+    """A MemoryCache whose reads set `entered`, then wait for `release` (at most 60 s; whether
+    it came is kept in `released`), like a store that answers once the test lets it."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.released: bool | None = None
 
     def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         self.thread = threading.current_thread().name
-        time.sleep(0.2)
+        self.entered.set()
+        self.released = self.release.wait(timeout=60)
         return super().get_embeddings(keys)
 
 
@@ -62,31 +69,33 @@ def test_every_method_round_trips() -> None:
 
 
 def test_a_slow_cache_never_blocks_the_event_loop() -> None:
-    async def main() -> int:
-        slow = SlowCache(1 << 20)
+    # the read returns only once the event loop has run other work meanwhile: on a blocked
+    # loop it would wait out its 60 s and report that the release never came
+    async def main() -> HeldReads:
+        slow = HeldReads()
         cache = AsyncCache(slow)
-        ticks = 0
 
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
+        async def other_work() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0)
+            slow.release.set()
 
-        task = asyncio.create_task(ticker())
+        task = asyncio.create_task(other_work())
         await cache.get_embeddings([key(1)])
-        task.cancel()
-        assert slow.thread != threading.main_thread().name
-        return ticks
+        await task
+        return slow
 
-    assert asyncio.run(main()) >= 5
+    slow = asyncio.run(main())
+    assert slow.released is True
+    assert slow.thread != threading.main_thread().name
 
 
 def test_calls_run_in_the_given_executor() -> None:
     async def main(pool: ThreadPoolExecutor) -> str:
-        slow = SlowCache(1 << 20)
-        await AsyncCache(slow, executor=pool).get_embeddings([key(1)])
-        return slow.thread
+        reads = HeldReads()
+        reads.release.set()
+        await AsyncCache(reads, executor=pool).get_embeddings([key(1)])
+        return reads.thread
 
     with ThreadPoolExecutor(1, thread_name_prefix="mmkey-test-pool") as pool:
         assert asyncio.run(main(pool)).startswith("mmkey-test-pool")
@@ -94,12 +103,13 @@ def test_calls_run_in_the_given_executor() -> None:
 
 def test_the_caller_may_reuse_its_key_list_while_a_call_runs() -> None:
     async def main() -> list[torch.Tensor | None]:
-        inner = SlowCache(1 << 20)
+        inner = HeldReads()
         inner.insert_batch([key(1)], [torch.ones(2)])
         keys: list[CacheKey] = [key(1)]
         task = asyncio.create_task(AsyncCache(inner).get_embeddings(keys))
-        await asyncio.sleep(0.05)
-        keys[0] = key(2)
+        await in_thread(lambda: inner.entered.wait(timeout=60))
+        keys[0] = key(2)  # while the call runs, before the cache reads its keys
+        inner.release.set()
         return await task
 
     got = asyncio.run(main())

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -373,3 +374,36 @@ def test_two_namespaced_fleets_side_by_side(fleet_runs_here: None) -> None:
         assert first.client_host != second.client_host
         assert first.holders[0].host.rsplit(".", 1)[0] != second.holders[0].host.rsplit(".", 1)[0]
         assert first.holders[0].is_ready() and second.holders[0].is_ready()
+
+
+# a fleet whose block is never left: only the exit-time clean-up stops it (run here, then
+# os._exit, so that nothing else, such as the block's own finally, can do it instead)
+_LEFT_OPEN = """
+import atexit, os
+from mmkey.testing.fleet import running_fleet
+
+block = running_fleet(1, netns=True)
+fleet = block.__enter__()
+holder = fleet.holders[0]
+print(fleet.master.pid, holder.pid, holder.netns, *holder._links, flush=True)
+atexit._run_exitfuncs()
+os._exit(0)
+"""
+
+
+def test_a_fleet_left_open_is_stopped_and_its_network_removed_at_exit(fleet_runs_here: None) -> None:
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    done = subprocess.run(
+        [sys.executable, "-c", _LEFT_OPEN],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, MC_LOG_LEVEL="ERROR"),
+    )
+    assert done.returncode == 0, done.stderr
+    master_pid, holder_pid, netns, outer, _ = done.stdout.split()
+    assert _state(int(master_pid)) is None and _state(int(holder_pid)) is None
+    assert netns not in _netns_names()
+    assert outer not in _links()

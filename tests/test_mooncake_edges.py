@@ -376,7 +376,9 @@ def test_calls_racing_close_return_at_once(
     try:
         thread = threading.Thread(target=reader)
         thread.start()
-        time.sleep(0.3)  # the read is stuck on the worker
+        transport = cache._transport
+        runners = [transport._meta, *(lane.runner for lane in transport.lanes)]
+        assert wait_until(lambda: any(r.is_busy() for r in runners), 10), "the read is stuck on a worker"
         closed_at = time.monotonic()
         cache.close()
         thread.join(10)

@@ -35,8 +35,7 @@ STAGING_SIZES = [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
 @pytest.fixture(scope="module")
 def busy() -> Iterator[None]:
     """The load, for this module's tests (at most three minutes: it stops by itself)."""
-    with busy_host(180.0):
-        time.sleep(0.5)  # both load processes are running
+    with busy_host(180.0):  # entered once both load processes run
         yield
 
 

@@ -16,7 +16,7 @@ from mmkey.cache.mooncake import _net
 from mmkey.cache.mooncake._net import parse_host_port, port_accepts
 from mmkey.testing import mooncake_master as mm
 from mmkey.testing.mooncake_master import MasterProcess, MasterStartError, running_master
-from mmkey.testing.pytest_plugin import _require_master
+from mmkey.testing.pytest_plugin import _require_fleet, _require_master
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -149,6 +149,18 @@ def test_unavailable_binary_skips_with_install_hint(monkeypatch: pytest.MonkeyPa
         _require_master()
     monkeypatch.setenv("MMKEY_REQUIRE_MOONCAKE", "1")
     with pytest.raises(pytest.fail.Exception, match="MMKEY_REQUIRE_MOONCAKE"):
+        _require_master()
+
+
+def test_without_psutil_the_fixtures_skip_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "psutil", None)  # as if not installed
+    monkeypatch.delenv("MMKEY_REQUIRE_MOONCAKE", raising=False)
+    with pytest.raises(pytest.skip.Exception, match=r"psutil .*pip install 'mmkey\[testing\]'"):
+        _require_master()
+    with pytest.raises(pytest.skip.Exception, match="psutil"):
+        _require_fleet()
+    monkeypatch.setenv("MMKEY_REQUIRE_MOONCAKE", "1")
+    with pytest.raises(pytest.fail.Exception, match="psutil"):
         _require_master()
 
 

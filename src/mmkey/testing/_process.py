@@ -2,23 +2,31 @@
 
 `ManagedProcess` spawns a command with its output appended to a log file, and pauses
 (SIGSTOP), resumes, kills and stops it, always reaping; the subclasses add what their
-process needs to be ready. Every spawned handle is stopped at interpreter exit.
+process needs to be ready. Every spawned handle is stopped at interpreter exit, before the
+clean-ups registered with `after_processes_at_exit` run.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import os
-import signal
 import subprocess
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["LOG_TAIL_CHARS", "POLL_S", "STOP_GRACE_S", "ManagedProcess", "wait_stopped"]
+import psutil
+
+__all__ = [
+    "LOG_TAIL_CHARS",
+    "POLL_S",
+    "STOP_GRACE_S",
+    "ManagedProcess",
+    "after_processes_at_exit",
+    "wait_stopped",
+]
 
 STOP_GRACE_S = 5.0
 """How long `ManagedProcess.stop` waits after SIGTERM before SIGKILL."""
@@ -27,19 +35,26 @@ POLL_S = 0.02
 LOG_TAIL_CHARS = 4000
 """How much of a log an error message quotes."""
 _LIVE: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
+_AFTER_PROCESSES: list[Callable[[], None]] = []
+_STOPPED = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP})
 
 
-def wait_stopped(pid: int, *, stopped: bool, timeout: float = 2.0) -> None:
-    """Wait until /proc shows ``pid`` stopped (or running again); signals land asynchronously."""
+def wait_stopped(process: psutil.Process, *, stopped: bool, timeout: float = 2.0) -> None:
+    """Wait until ``process`` is stopped (or running again): signals land asynchronously."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            text = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return  # no /proc here, or the process is gone: nothing to wait for
-        if (text[text.rindex(")") + 2 : text.rindex(")") + 3] in ("T", "t")) == stopped:
+            status = process.status()
+        except psutil.Error:
+            return  # gone, or not ours to read: nothing to wait for
+        if status == psutil.STATUS_ZOMBIE or (status in _STOPPED) == stopped:
             return
         time.sleep(0.001)
+
+
+def after_processes_at_exit(cleanup: Callable[[], None]) -> None:
+    """Run ``cleanup`` at interpreter exit once every leftover process has been stopped."""
+    _AFTER_PROCESSES.append(cleanup)
 
 
 class ManagedProcess:
@@ -49,6 +64,7 @@ class ManagedProcess:
         self._workdir = workdir
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._process: psutil.Process | None = None
         self._starts = 0
         self._paused = False
 
@@ -95,16 +111,18 @@ class ManagedProcess:
         """Freeze the process with SIGSTOP (returns once it is stopped): it keeps its
         sockets, the kernel still accepts connections, but nothing answers."""
         with self._lock:
-            self._signal(signal.SIGSTOP)
+            process = self._running("pause")
+            process.suspend()
             self._paused = True
-            wait_stopped(self.pid, stopped=True)
+            wait_stopped(process, stopped=True)
 
     def resume(self) -> None:
         """Undo `pause` with SIGCONT (returns once it runs again)."""
         with self._lock:
-            self._signal(signal.SIGCONT)
+            process = self._running("resume")
+            process.resume()
             self._paused = False
-            wait_stopped(self.pid, stopped=False)
+            wait_stopped(process, stopped=False)
 
     def kill(self) -> None:
         """SIGKILL the process and reap it, like a crash."""
@@ -121,8 +139,9 @@ class ManagedProcess:
         with self._lock:
             proc = self._proc
             if proc is not None and proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+                    if self._process is not None:
+                        self._process.resume()
                     proc.terminate()
                 try:
                     proc.wait(timeout=STOP_GRACE_S)
@@ -135,11 +154,12 @@ class ManagedProcess:
             self._paused = False
 
     # -- internals ------------------------------------------------------------------------
-    def _signal(self, sig: signal.Signals) -> None:
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            raise ProcessLookupError(f"{self._describe()} is not running")
-        os.kill(proc.pid, sig)
+    def _running(self, what: str) -> psutil.Process:
+        """The current process, which must not have exited (``what`` names the action)."""
+        proc, process = self._proc, self._process
+        if proc is None or process is None or proc.poll() is not None:
+            raise ProcessLookupError(f"cannot {what}: {self._describe()} is not running")
+        return process
 
     def _spawn(self, command: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         """Start ``command`` in the work directory, its output appended to `log_path`."""
@@ -157,6 +177,7 @@ class ManagedProcess:
                 close_fds=True,
             )
         self._proc = proc
+        self._process = psutil.Process(proc.pid)  # the child is unreaped: its PID is still ours
         self._paused = False
         _LIVE.add(self)
         return proc
@@ -171,3 +192,6 @@ def _stop_leftovers() -> None:
     for handle in list(_LIVE):
         with contextlib.suppress(Exception):
             handle.stop()
+    for cleanup in _AFTER_PROCESSES:
+        with contextlib.suppress(Exception):
+            cleanup()

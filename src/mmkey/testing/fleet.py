@@ -17,13 +17,14 @@ has it) or a rate limit (``tc tbf``). Namespaces, links and the bridge are alway
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
+import json
 import os
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -32,13 +33,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from mmkey.cache.mooncake._master_http import read_metrics, segment_names
 from mmkey.cache.mooncake._net import port_accepts
 from mmkey.cache.mooncake._replicas import memory_endpoints
 from mmkey.cache.mooncake.holder import HolderSpec, find_holder_binary
-from mmkey.testing import _process
-from mmkey.testing._process import POLL_S, ManagedProcess
-from mmkey.testing._procnet import listening_sockets, socket_inodes
+from mmkey.testing._process import POLL_S, ManagedProcess, after_processes_at_exit
 from mmkey.testing.mooncake_master import (
     HOST,
     INSTALL_HINT,
@@ -109,11 +110,34 @@ def netns_unavailable_reason() -> str | None:
     return None
 
 
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """``(address, port)`` of the TCP sockets ``pid`` listens on, read from its own netns."""
-    listening = listening_sockets(f"/proc/{pid}/net") or {}
-    held = socket_inodes(pid) or set()
-    return {listening[inode] for inode in held if inode in listening}
+def _listening_here(pid: int) -> set[tuple[str, int]]:
+    """``(address, port)`` of the TCP sockets ``pid`` listens on, in this network namespace."""
+    try:
+        sockets = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return set()
+    return {(s.laddr.ip, s.laddr.port) for s in sockets if s.status == psutil.CONN_LISTEN}
+
+
+# psutil reads the socket tables of the namespace it runs in: for a holder in a namespace of
+# its own, the same reading runs there
+_LISTENING_IN_NETNS = """
+import json, sys, psutil
+sockets = psutil.Process(int(sys.argv[1])).net_connections(kind="tcp")
+print(json.dumps([[s.laddr.ip, s.laddr.port] for s in sockets if s.status == "LISTEN"]))
+"""
+
+
+def _listening(pid: int, netns: str | None) -> set[tuple[str, int]]:
+    """``(address, port)`` of the TCP sockets ``pid`` listens on in ``netns`` (``None``: this
+    process's namespace); empty where they cannot be read."""
+    if netns is None:
+        return _listening_here(pid)
+    inside = ["ip", "netns", "exec", netns, sys.executable, "-I", "-c", _LISTENING_IN_NETNS, str(pid)]
+    done = _run(inside, check=False)
+    if done.returncode != 0:
+        return set()
+    return {(str(address), int(port)) for address, port in json.loads(done.stdout)}
 
 
 def _master_segments(master: MasterProcess, timeout: float = 1.0) -> set[str]:
@@ -408,7 +432,7 @@ class HolderProcess(ManagedProcess):
                 if new:
                     # the segment's name is not one of the holder's sockets: the new name is it
                     self._segment = min(new)
-                    listening = _listening(proc.pid)
+                    listening = _listening(proc.pid, self._netns)
                     self._endpoints = frozenset(
                         f"{self._host if address in ('0.0.0.0', '::') else address}:{port}"
                         for address, port in listening
@@ -571,9 +595,10 @@ def running_fleet(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-@atexit.register
-def _stop_leftovers() -> None:
-    _process._stop_leftovers()  # the holders first, while their network still exists
+def _close_leftover_networks() -> None:
     for network in list(_LIVE_NETS):
         with contextlib.suppress(Exception):
             network.close()
+
+
+after_processes_at_exit(_close_leftover_networks)  # the holders stop first, while it exists

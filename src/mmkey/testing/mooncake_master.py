@@ -17,10 +17,12 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import psutil
+
 from mmkey.cache.mooncake._master_http import read_health
 from mmkey.cache.mooncake._net import port_accepts
 from mmkey.testing._process import POLL_S, ManagedProcess
-from mmkey.testing._procnet import listening_sockets, socket_inodes
 
 __all__ = [
     "HOST",
@@ -105,19 +107,19 @@ def _two_free_ports(host: str = HOST) -> tuple[int, int]:
 
 
 def _owns_listener(pid: int, port: int) -> bool:
-    """Whether ``pid`` holds the socket listening on ``port`` (``True`` where /proc cannot tell).
+    """Whether ``pid`` holds a socket listening on ``port`` (``True`` where its sockets are
+    not ours to read).
 
     Guards against a port taken by someone else: that master exits, but for a moment the other
     process answers on the port and would look like ours.
     """
-    listening = listening_sockets()
-    if listening is None:
+    try:
+        sockets = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.AccessDenied:
         return True
-    inodes = {inode for inode, (_, bound) in listening.items() if bound == port}
-    if not inodes:
+    except psutil.NoSuchProcess:
         return False
-    held = socket_inodes(pid)
-    return True if held is None else not held.isdisjoint(inodes)
+    return any(s.status == psutil.CONN_LISTEN and s.laddr.port == port for s in sockets)
 
 
 class MasterProcess(ManagedProcess):

@@ -12,6 +12,7 @@ hypothesis.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -43,7 +44,15 @@ def _unless(reason: str | None) -> None:
     pytest.skip(reason)
 
 
+def _missing_harness_reason() -> str | None:
+    """Why the harness cannot run here for want of psutil, or ``None`` when it is installed."""
+    if importlib.util.find_spec("psutil") is None:
+        return "psutil is not installed (the master and fleet harness needs it); pip install 'mmkey[testing]'"
+    return None
+
+
 def _require_master() -> None:
+    _unless(_missing_harness_reason())
     from mmkey.testing.mooncake_master import master_unavailable_reason
 
     _unless(master_unavailable_reason())
@@ -70,6 +79,7 @@ def mooncake_master_session() -> Iterator[MasterProcess]:
 
 
 def _require_fleet() -> None:
+    _unless(_missing_harness_reason())
     from mmkey.testing.fleet import fleet_unavailable_reason
 
     _unless(fleet_unavailable_reason())
