@@ -18,7 +18,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test check docs lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
+.PHONY: demo test check docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ verifytypes: $(VENV)/.dev
 # types on Python 3.10 and 3.13, and the torch-free tests on each of them found here
 test-matrix: $(VENV)/.dev
 	bash scripts/test-matrix.sh $(BIN)
+
+# ruff's lint rules and its formatting ([tool.ruff] in pyproject.toml)
+lint: $(VENV)/.dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # the import contracts of pyproject.toml: layers (imports only go down), the stacks'
 # integrations independent of each other, nothing in the library imports testing or cli
@@ -128,6 +133,7 @@ test: $(VENV)/.dev
 
 # each lane runs its steps one after another (a line each), sharing make's job slots
 static-checks: $(VENV)/.dev
+	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory lint-imports
 	$(MAKE) --no-print-directory typecheck
 	$(MAKE) --no-print-directory verifytypes
