@@ -151,6 +151,34 @@ def test_a_failing_near_tier_still_reads_the_far_one() -> None:
     assert cache.batch_is_exist([key(1)]) == [True]
 
 
+class ShiftedAnswers(MemoryCache):
+    """A tier that breaks the protocol: its answers leave out the first key's."""
+
+    def batch_is_exist(self, keys: Sequence[CacheKey]) -> list[bool]:
+        return super().batch_is_exist(keys)[1:]
+
+    def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        return super().get_embeddings(keys)[1:]
+
+    def insert_batch(
+        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        return super().insert_batch(keys, embeddings)[1:]
+
+
+def test_an_answer_for_the_wrong_number_of_keys_is_a_tier_error_never_a_shifted_answer() -> None:
+    l2 = ShiftedAnswers(1 << 20)
+    MemoryCache.insert_batch(l2, [key(1), key(2)], [emb(1), emb(2)])
+    cache = TieredCache(MemoryCache(1 << 20), l2)
+    assert values(cache.get_embeddings([key(1), key(2)])) == [None, None]  # never emb(2) for key(1)
+    assert cache.batch_is_exist([key(1), key(2)]) == [False, False]
+    assert cache.insert_batch([key(3), key(4)], [emb(3), emb(4)]) == [True, True]  # l1 took them
+    assert cache.stats().errors == 3
+    near = TieredCache(ShiftedAnswers(1 << 20), MemoryCache(1 << 20))
+    assert near.batch_is_exist([key(1), key(2)]) == [False, False]
+    assert near.stats().errors == 1
+
+
 def test_stats_sum_the_tiers_storage() -> None:
     l1, l2 = MemoryCache(SIZE), MemoryCache(1 << 20)
     cache = TieredCache(l1, l2)

@@ -122,17 +122,28 @@ class TieredCache:
                 self._errors += 1
             return fallback
 
+    def _per_key(self, call: Callable[[], list[_T]], fallback: list[_T]) -> list[_T]:
+        """`_tier` for an answer with one item per key. An answer for a different number of
+        keys breaks the protocol: it counts as a tier error and `fallback` is used, so no
+        answer lands on another key."""
+        answer = self._tier(call, fallback)
+        if len(answer) == len(fallback):
+            return answer
+        with self._lock:
+            self._errors += 1
+        return fallback
+
     def batch_is_exist(self, keys: Sequence[CacheKey]) -> list[bool]:
         """Whether each key is held in either tier, in order."""
         self._check_open()
         key_texts(keys, "batch_is_exist")
         keys = list(keys)
-        held = self._tier(lambda: self.l1.batch_is_exist(keys), _refused(len(keys)))
+        held = self._per_key(lambda: self.l1.batch_is_exist(keys), _refused(len(keys)))
         missing = [i for i, h in enumerate(held) if not h]
         if missing:
             far = [keys[i] for i in missing]
-            in_l2 = self._tier(lambda: self.l2.batch_is_exist(far), _refused(len(far)))
-            for i, h in zip(missing, in_l2):
+            in_l2 = self._per_key(lambda: self.l2.batch_is_exist(far), _refused(len(far)))
+            for i, h in zip(missing, in_l2, strict=True):
                 held[i] = h
         return held
 
@@ -141,11 +152,11 @@ class TieredCache:
         self._check_open()
         texts = key_texts(keys, "get_embeddings")
         keys = list(keys)
-        results = self._tier(lambda: self.l1.get_embeddings(keys), _misses(len(keys)))
+        results = self._per_key(lambda: self.l1.get_embeddings(keys), _misses(len(keys)))
         missing = [i for i, t in enumerate(results) if t is None]
         if missing:
             found, _ = self._read_far([keys[i] for i in missing], [texts[i] for i in missing])
-            for i, tensor in zip(missing, found):
+            for i, tensor in zip(missing, found, strict=True):
                 if tensor is not None:
                     results[i] = tensor
         hits = sum(t is not None for t in results)
@@ -161,10 +172,10 @@ class TieredCache:
         self._check_open()
         texts, _ = insert_args(keys, embeddings)
         keys, tensors = list(keys), list(embeddings)
-        in_l2 = self._tier(lambda: self.l2.insert_batch(keys, tensors), _refused(len(keys)))
+        in_l2 = self._per_key(lambda: self.l2.insert_batch(keys, tensors), _refused(len(keys)))
         with self._near_writes.writing(texts):
-            in_l1 = self._tier(lambda: self.l1.insert_batch(keys, tensors), _refused(len(keys)))
-        held = [a or b for a, b in zip(in_l1, in_l2)]
+            in_l1 = self._per_key(lambda: self.l1.insert_batch(keys, tensors), _refused(len(keys)))
+        held = [a or b for a, b in zip(in_l1, in_l2, strict=True)]
         with self._lock:
             self._inserts += sum(held)
         return held
@@ -177,7 +188,7 @@ class TieredCache:
         self._check_open()
         texts = key_texts(keys, "prefetch")
         keys = list(keys)
-        near = self._tier(lambda: self.l1.batch_is_exist(keys), _refused(len(keys)))
+        near = self._per_key(lambda: self.l1.batch_is_exist(keys), _refused(len(keys)))
         far = [i for i, h in enumerate(near) if not h]
         if not far:
             return sum(near)
@@ -193,8 +204,8 @@ class TieredCache:
         read may predate that write, and the write has put its own value in `l1`.
         """
         with self._near_writes.reading(texts) as read:
-            found = self._tier(lambda: self.l2.get_embeddings(keys), _misses(len(keys)))
-            hits = [(k, t, v) for k, t, v in zip(keys, texts, found) if v is not None]
+            found = self._per_key(lambda: self.l2.get_embeddings(keys), _misses(len(keys)))
+            hits = [(k, t, v) for k, t, v in zip(keys, texts, found, strict=True) if v is not None]
             if not hits:
                 return found, 0
             with self._near_writes.writing(()):
@@ -203,8 +214,8 @@ class TieredCache:
                     return found, 0
                 promoted_keys = [k for k, _ in promote]
                 promoted = [v for _, v in promote]
-                held = self._tier(
-                    lambda: self.l1.insert_batch(promoted_keys, promoted), _refused(0)
+                held = self._per_key(
+                    lambda: self.l1.insert_batch(promoted_keys, promoted), _refused(len(promoted))
                 )
         return found, sum(held)
 
