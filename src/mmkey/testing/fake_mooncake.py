@@ -321,7 +321,7 @@ class FakeMooncakeMaster:
         while not self._stopping.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             with conn:
                 conn.settimeout(1.0)
@@ -498,7 +498,8 @@ class FakeMooncakeStore(_StoreBase):
                 "rdma_devices",
                 "master_server_addr",
             )
-            options = dict(zip(names, args))
+            # the arguments given by position fill the first parameters, the rest keep defaults
+            options = dict(zip(names, args, strict=False))
             options.update(kwargs)
         with _MASTERS_LOCK:
             master = _MASTERS.get(str(options.get("master_server_addr", "")))
@@ -530,6 +531,12 @@ class FakeMooncakeStore(_StoreBase):
         return self._endpoint
 
     # -- single key ------------------------------------------------------------------------
+
+    @staticmethod
+    def _same_lengths(keys: Sequence[str], *per_key: Sequence[object]) -> bool:
+        """Whether every per-key list has one item per key (the binding refuses the whole
+        batch, `INVALID_PARAMS` for every key, when one does not)."""
+        return all(len(items) == len(keys) for items in per_key)
 
     def _call(self, method: str) -> FakeMooncakeMaster | int:
         """The master to answer a call of `method`, or the code the call fails with."""
@@ -607,7 +614,8 @@ class FakeMooncakeStore(_StoreBase):
         master = self._call("remove_all")
         if isinstance(master, int):
             return master
-        return sum(master._remove(k, force) == OK for k in master.keys())
+        stored = master.keys()  # a snapshot: _remove deletes from the master's table
+        return sum(master._remove(k, force) == OK for k in stored)
 
     # -- replicas --------------------------------------------------------------------------
 
@@ -668,10 +676,10 @@ class FakeMooncakeStore(_StoreBase):
         data = [_as_bytes(v) for v in values]
         if len(data) != len(keys) or any(
             not _check_key(k) or not d or len(d) > self._local_buffer_size
-            for k, d in zip(keys, data)
+            for k, d in zip(keys, data, strict=True)
         ):
             return INVALID_PARAMS  # one bad item fails the batch, nothing stored
-        for key, value in zip(keys, data):
+        for key, value in zip(keys, data, strict=True):
             rc = master._store(key, value, self._endpoint, _replica_num(config), replace)
             if rc != OK:
                 return rc
@@ -720,16 +728,20 @@ class FakeMooncakeStore(_StoreBase):
 
     def _load(self, ptrs: Sequence[int], sizes: Sequence[int]) -> bytes | None:
         """The bytes at the (pointer, size) spans, joined; None if one is not registered."""
-        if len(ptrs) != len(sizes) or not all(self._registered(p, n) for p, n in zip(ptrs, sizes)):
+        if len(ptrs) != len(sizes) or not all(
+            self._registered(p, n) for p, n in zip(ptrs, sizes, strict=True)
+        ):
             return None
-        return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))
+        return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes, strict=True))
 
     def _scatter(self, key: str, ptrs: Sequence[int], sizes: Sequence[int]) -> int:
         """Read ``key`` into the spans: its size, or a code (nothing written on one)."""
         master = self._master
         if master is None:
             return RPC_FAIL
-        if len(ptrs) != len(sizes) or not all(self._registered(p, n) for p, n in zip(ptrs, sizes)):
+        if len(ptrs) != len(sizes) or not all(
+            self._registered(p, n) for p, n in zip(ptrs, sizes, strict=True)
+        ):
             return INVALID_PARAMS
         obj = master._look(_check_key(key))
         if obj is None:
@@ -745,7 +757,7 @@ class FakeMooncakeStore(_StoreBase):
         if len(value) != total:  # replaced while the holder was paused
             return TRANSFER_FAIL
         at = 0
-        for ptr, size in zip(ptrs, sizes):
+        for ptr, size in zip(ptrs, sizes, strict=True):
             ctypes.memmove(ptr, value[at : at + size], size)
             at += size
         return total
@@ -814,7 +826,9 @@ class FakeMooncakeStore(_StoreBase):
         master = self._call("batch_put_from")
         if isinstance(master, int):
             return [master] * len(keys)
-        spans = zip(keys, buffer_ptrs, sizes)
+        if not self._same_lengths(keys, buffer_ptrs, sizes):
+            return [INVALID_PARAMS] * len(keys)
+        spans = zip(keys, buffer_ptrs, sizes, strict=True)
         return [self._put_spans(k, [p], [n], config, False) for k, p, n in spans]
 
     def batch_upsert_from(
@@ -828,7 +842,9 @@ class FakeMooncakeStore(_StoreBase):
         master = self._call("batch_upsert_from")
         if isinstance(master, int):
             return [master] * len(keys)
-        spans = zip(keys, buffer_ptrs, sizes)
+        if not self._same_lengths(keys, buffer_ptrs, sizes):
+            return [INVALID_PARAMS] * len(keys)
+        spans = zip(keys, buffer_ptrs, sizes, strict=True)
         return [self._put_spans(k, [p], [n], config, True) for k, p, n in spans]
 
     def batch_get_into(
@@ -839,10 +855,12 @@ class FakeMooncakeStore(_StoreBase):
         master = self._call("batch_get_into")
         if isinstance(master, int):
             return [master] * len(keys)
+        if not self._same_lengths(keys, buffer_ptrs, sizes):
+            return [INVALID_PARAMS] * len(keys)
         last = {k: i for i, k in enumerate(keys)}
         return [
             self._read_into(k, p, n, write=last[k] == i)
-            for i, (k, p, n) in enumerate(zip(keys, buffer_ptrs, sizes))
+            for i, (k, p, n) in enumerate(zip(keys, buffer_ptrs, sizes, strict=True))
         ]
 
     def batch_put_from_multi_buffers(
@@ -856,9 +874,11 @@ class FakeMooncakeStore(_StoreBase):
         master = self._call("batch_put_from_multi_buffers")
         if isinstance(master, int):
             return [master] * len(keys)
+        if not self._same_lengths(keys, all_buffer_ptrs, all_sizes):
+            return [INVALID_PARAMS] * len(keys)
         return [
             self._put_spans(k, p, n, config, False)
-            for k, p, n in zip(keys, all_buffer_ptrs, all_sizes)
+            for k, p, n in zip(keys, all_buffer_ptrs, all_sizes, strict=True)
         ]
 
     def batch_get_into_multi_buffers(
@@ -873,7 +893,11 @@ class FakeMooncakeStore(_StoreBase):
         master = self._call("batch_get_into_multi_buffers")
         if isinstance(master, int):
             return [master] * len(keys)
-        return [self._scatter(k, p, n) for k, p, n in zip(keys, all_buffer_ptrs, all_sizes)]
+        if not self._same_lengths(keys, all_buffer_ptrs, all_sizes):
+            return [INVALID_PARAMS] * len(keys)
+        return [
+            self._scatter(k, p, n) for k, p, n in zip(keys, all_buffer_ptrs, all_sizes, strict=True)
+        ]
 
     def __repr__(self) -> str:
         state = "not set up" if self._master is None else f"at {self._endpoint}"
