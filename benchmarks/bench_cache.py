@@ -209,27 +209,32 @@ def async_insert_table(repeats: int) -> None:
     loop = asyncio.new_event_loop()
     try:
         for batch, size in ASYNC_BATCHES:
-            keys = [key(i) for i in range(batch)]
-            tensors = [torch.randn(size // 2048, 1024).to(torch.bfloat16) for _ in keys]
-            cache = MemoryCache(1 << 30)
-            wrapped = AsyncCache(cache)
-
-            async def bare() -> list[bool]:
-                return await loop.run_in_executor(None, cache.insert_batch, keys, tensors)
-
-            times = best_seconds(
-                {
-                    "bare": lambda: loop.run_until_complete(bare()),
-                    "async": lambda: loop.run_until_complete(wrapped.insert_batch(keys, tensors)),
-                },
-                repeats,
-            )
-            label = f"{batch} x {size >> 10} KiB"
-            print(f"{label:>14} | {times['bare'] * 1e3:8.3f} {times['async'] * 1e3:10.3f} "
-                  f"{times['async'] / times['bare']:6.2f}")
-            cache.close()
+            async_insert_row(loop, batch, size, repeats)
     finally:
         loop.close()
+
+
+def async_insert_row(loop: asyncio.AbstractEventLoop, batch: int, size: int, repeats: int) -> None:
+    """One row of `async_insert_table`: `batch` tensors of `size` bytes each."""
+    keys = [key(i) for i in range(batch)]
+    tensors = [torch.randn(size // 2048, 1024).to(torch.bfloat16) for _ in keys]
+    cache = MemoryCache(1 << 30)
+    wrapped = AsyncCache(cache)
+
+    async def bare() -> list[bool]:
+        return await loop.run_in_executor(None, cache.insert_batch, keys, tensors)
+
+    times = best_seconds(
+        {
+            "bare": lambda: loop.run_until_complete(bare()),
+            "async": lambda: loop.run_until_complete(wrapped.insert_batch(keys, tensors)),
+        },
+        repeats,
+    )
+    label = f"{batch} x {size >> 10} KiB"
+    print(f"{label:>14} | {times['bare'] * 1e3:8.3f} {times['async'] * 1e3:10.3f} "
+          f"{times['async'] / times['bare']:6.2f}")
+    cache.close()
 
 
 def main() -> None:

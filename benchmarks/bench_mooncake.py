@@ -33,11 +33,12 @@ import os
 import time
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
 import _common
 from _common import segment_holder
-
 from mmkey import (
     EmbeddingKey,
     EntryKeyring,
@@ -48,6 +49,9 @@ from mmkey import (
     mm_hash,
 )
 from mmkey.testing.mooncake_master import running_master
+
+if TYPE_CHECKING:
+    from mooncake.store import MooncakeDistributedStore
 
 MiB = 1 << 20
 REPEATS = 7
@@ -81,6 +85,21 @@ def rate_row(name: str, nbytes: int, raw: float, adapter: float) -> None:
     print(f"{name:46} {nbytes / MiB / raw:9.0f} {nbytes / MiB / adapter:9.0f} {raw / adapter:7.2f}x")
 
 
+def throughput_rows(raw: MooncakeDistributedStore, cache: MooncakeCache, size: int, count: int) -> None:
+    """Write and read rates of `count` entries of `size` bytes: the raw binding, then mmkey."""
+    ts = [torch.randn(size // 4) for _ in range(count)]
+    blobs = [t.numpy().tobytes() for t in ts]
+    ks = [EmbeddingKey(f"tp{size}", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i)) for i in range(count)]
+    rk = [f"tp{size}_{i}" for i in range(count)]
+    total = size * count
+    t_raw = best(lambda: [raw.upsert(k, b) for k, b in zip(rk, blobs, strict=True)], 3)
+    t_ada = best(lambda: cache.insert_batch(ks, ts), 3)
+    rate_row(f"write {size // 1024} KiB entries x {count}", total, t_raw, t_ada)
+    t_raw = best(lambda: [torch.frombuffer(raw.get(k), dtype=torch.float32) for k in rk], 3)
+    t_ada = best(lambda: cache.get_embeddings(ks), 3)
+    rate_row(f"read {size // 1024} KiB entries x {count}", total, t_raw, t_ada)
+
+
 def main() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -98,7 +117,9 @@ def main() -> None:
             deadline=10.0,
         )
         cache = MooncakeCache(config, keyring=None)
-        signed = MooncakeCache(config, keyring=EntryKeyring.from_secrets(hashlib.sha256(b"benchmark secret").digest()))
+        signed = MooncakeCache(
+            config, keyring=EntryKeyring.from_secrets(hashlib.sha256(b"benchmark secret").digest())
+        )
         try:
             print(f"{'operation (ms; ratio adapter/raw)':46} {'raw':>9} {'mmkey':>9} {'ratio':>8}")
             digests = [mm_hash(i * 0x9E3779B97F4A7C15 % 2**128) for i in range(1000)]
@@ -132,7 +153,9 @@ def main() -> None:
             print(f"{'  fixed cost per call (mmkey - raw)':46} {(t_ada1 - t_raw1) * 1e4:9.1f} us")
 
             tensors = [torch.randn(64 * 1024 // 4) for _ in range(256)]
-            keys = [EmbeddingKey("bench64k", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i)) for i in range(256)]
+            keys = [
+                EmbeddingKey("bench64k", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i)) for i in range(256)
+            ]
             raw_keys = [f"raw64k_{i}" for i in range(256)]
             cache.insert_batch(keys, tensors)
             raw.put_batch(raw_keys, [t.numpy().tobytes() for t in tensors])
@@ -150,7 +173,10 @@ def main() -> None:
             t_plain, t_signed = best_interleaved(
                 lambda: cache.get_embeddings(keys), lambda: signed.get_embeddings(signed_keys)
             )
-            print(f"\n{'authenticated (ms; ratio signed/unsigned)':46} {'unsigned':>9} {'signed':>9} {'ratio':>8}")
+            print(
+                f"\n{'authenticated (ms; ratio signed/unsigned)':46} "
+                f"{'unsigned':>9} {'signed':>9} {'ratio':>8}"
+            )
             row("get 256 x 64 KiB, every entry verified", t_plain, t_signed, "target <= 1.5x")
             t_plain, t_signed = best_interleaved(
                 lambda: cache.insert_batch(keys, tensors),
@@ -160,21 +186,17 @@ def main() -> None:
 
             print(f"\n{'throughput (MiB/s; speed-up mmkey/raw)':46} {'raw':>9} {'mmkey':>9} {'speedup':>8}")
             for size, count in ((64 * 1024, 256), (8 * MiB, 8)):
-                ts = [torch.randn(size // 4) for _ in range(count)]
-                blobs = [t.numpy().tobytes() for t in ts]
-                ks = [EmbeddingKey(f"tp{size}", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i)) for i in range(count)]
-                rk = [f"tp{size}_{i}" for i in range(count)]
-                total = size * count
-                t_raw = best(lambda: [raw.upsert(k, b) for k, b in zip(rk, blobs)], 3)
-                t_ada = best(lambda: cache.insert_batch(ks, ts), 3)
-                rate_row(f"write {size // 1024} KiB entries x {count}", total, t_raw, t_ada)
-                t_raw = best(lambda: [torch.frombuffer(raw.get(k), dtype=torch.float32) for k in rk], 3)
-                t_ada = best(lambda: cache.get_embeddings(ks), 3)
-                rate_row(f"read {size // 1024} KiB entries x {count}", total, t_raw, t_ada)
+                throughput_rows(raw, cache, size, count)
             stats = cache.stats()
-            print(f"\nadapter stats: hits={stats.hits} misses={stats.misses} corrupt={stats.corrupt} errors={stats.errors}")
+            print(
+                f"\nadapter stats: hits={stats.hits} misses={stats.misses} "
+                f"corrupt={stats.corrupt} errors={stats.errors}"
+            )
             stats = signed.stats()
-            print(f"signed stats: hits={stats.hits} misses={stats.misses} forged={stats.forged} corrupt={stats.corrupt}")
+            print(
+                f"signed stats: hits={stats.hits} misses={stats.misses} "
+                f"forged={stats.forged} corrupt={stats.corrupt}"
+            )
         finally:
             signed.close()
             cache.close()
@@ -215,7 +237,7 @@ def fleet_table() -> None:
         reader = MooncakeCache(fleet.client_config(deadline=0.5), keyring=None)
         try:
             assert writer.insert_batch(keys, tensors) == [True] * count
-            for k, t in zip(raw_keys, tensors):
+            for k, t in zip(raw_keys, tensors, strict=True):
                 assert raw.put(k, t.numpy().tobytes()) == 0
 
             def adapter_read(i: int) -> bool:
@@ -224,7 +246,10 @@ def fleet_table() -> None:
             def raw_read(i: int) -> bool:
                 return len(raw.get(raw_keys[i])) > 0
 
-            print(f"\n{'fleet of 2 holders, 100 x 64 KiB, one key a call':46} {'hits/s':>9} {'p99 ms':>9} {'calls':>8}")
+            print(
+                f"\n{'fleet of 2 holders, 100 x 64 KiB, one key a call':46} "
+                f"{'hits/s':>9} {'p99 ms':>9} {'calls':>8}"
+            )
             for name, read in (("healthy, mmkey", adapter_read), ("healthy, raw", raw_read)):
                 best_rate, best_p99, calls = 0.0, 0.0, 0
                 for _ in range(3):
@@ -236,8 +261,14 @@ def fleet_table() -> None:
             try:
                 first = sweep(adapter_read, count)
                 again = sweep(adapter_read, count)
-                print(f"{'one holder paused, mmkey, first sweep':46} {first[0]:9.0f} {first[1] * 1e3:9.2f} {first[2]:8}")
-                print(f"{'one holder paused, mmkey, next sweep':46} {again[0]:9.0f} {again[1] * 1e3:9.2f} {again[2]:8}")
+                print(
+                    f"{'one holder paused, mmkey, first sweep':46} "
+                    f"{first[0]:9.0f} {first[1] * 1e3:9.2f} {first[2]:8}"
+                )
+                print(
+                    f"{'one holder paused, mmkey, next sweep':46} "
+                    f"{again[0]:9.0f} {again[1] * 1e3:9.2f} {again[2]:8}"
+                )
                 capped = sweep(raw_read, count, RAW_SWEEP_CAP_S)
                 label = f"one holder paused, raw (cut at {RAW_SWEEP_CAP_S:.0f} s)"
                 print(f"{label:46} {capped[0]:9.0f} {capped[1] * 1e3:9.2f} {capped[2]:8}")
@@ -279,11 +310,16 @@ def close_freeze() -> None:
     with running_master() as master:
         for label, segment in (("pure client", 0), ("with a 64 MiB segment", 64 * MiB)):
             cache = MooncakeCache(
-                MooncakeConfig(master_server_address=master.address, global_segment_size=segment,
-                               local_buffer_size=16 * MiB),
+                MooncakeConfig(
+                    master_server_address=master.address,
+                    global_segment_size=segment,
+                    local_buffer_size=16 * MiB,
+                ),
                 keyring=None,
             )
-            cache.insert_batch([EmbeddingKey("close", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(1))], [torch.ones(4)])
+            cache.insert_batch(
+                [EmbeddingKey("close", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(1))], [torch.ones(4)]
+            )
             ticker = threading.Thread(target=tick, daemon=True)
             stop.clear()
             ticker.start()
@@ -307,23 +343,31 @@ def load_table() -> None:
     tensors = [torch.randn(16 * 1024) for _ in range(256)]  # 64 KiB each
     blobs = [t.numpy().tobytes() for t in tensors]
     deadline = 0.5
-    print(f"\n{'busy host: 256 x 64 KiB inserts (stored, ms)':46} {'first':>13} {'second':>13} {'raw put_batch':>14}")
+    print(
+        f"\n{'busy host: 256 x 64 KiB inserts (stored, ms)':46} "
+        f"{'first':>13} {'second':>13} {'raw put_batch':>14}"
+    )
     with running_master() as master, busy_host(300.0):
         time.sleep(0.5)
         raw = MooncakeDistributedStore()
         assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 512 * MiB, 64 * MiB, "tcp", "", master.address) == 0
         try:
             for n, size in enumerate((4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB)):
-                config = MooncakeConfig(master_server_address=master.address, local_buffer_size=size,
-                                        deadline=deadline)
+                config = MooncakeConfig(
+                    master_server_address=master.address, local_buffer_size=size, deadline=deadline
+                )
                 start = time.perf_counter()
                 cache = MooncakeCache(config, keyring=None)
                 built_s = time.perf_counter() - start
                 cells = []
                 try:
                     for attempt in range(2):
-                        keys = EmbeddingKey.for_digests(f"load{n}-{attempt}", Modality.IMAGE, HashScheme.BLAKE3,
-                                                        [mm_hash(i) for i in range(256)])
+                        keys = EmbeddingKey.for_digests(
+                            f"load{n}-{attempt}",
+                            Modality.IMAGE,
+                            HashScheme.BLAKE3,
+                            [mm_hash(i) for i in range(256)],
+                        )
                         start = time.perf_counter()
                         stored = sum(cache.insert_batch(keys, tensors))
                         cells.append(f"{stored}/256 {(time.perf_counter() - start) * 1e3:5.0f}")
@@ -353,9 +397,18 @@ def load_table() -> None:
                 theirs.sort()
                 over = max(0.0, ours[-1] - deadline)
                 print(f"\n{'24 rounds on one cache (ms)':46} {'median':>9} {'p90':>9} {'max':>9}")
-                print(f"{'raw put_batch':46} {theirs[12] * 1e3:9.1f} {theirs[21] * 1e3:9.1f} {theirs[-1] * 1e3:9.1f}")
-                print(f"{'mmkey insert_batch':46} {ours[12] * 1e3:9.1f} {ours[21] * 1e3:9.1f} {ours[-1] * 1e3:9.1f}")
-                print(f"{'  stored; longest past the 0.5 s deadline':46} {stored_total:>5}/{24 * 256} {over * 1e3:9.1f} ms")
+                print(
+                    f"{'raw put_batch':46} {theirs[12] * 1e3:9.1f} "
+                    f"{theirs[21] * 1e3:9.1f} {theirs[-1] * 1e3:9.1f}"
+                )
+                print(
+                    f"{'mmkey insert_batch':46} {ours[12] * 1e3:9.1f} "
+                    f"{ours[21] * 1e3:9.1f} {ours[-1] * 1e3:9.1f}"
+                )
+                print(
+                    f"{'  stored; longest past the 0.5 s deadline':46} "
+                    f"{stored_total:>5}/{24 * 256} {over * 1e3:9.1f} ms"
+                )
                 # a deadline most inserts miss (4 MiB staging: five transfers), retried at once
                 short = MooncakeConfig(master_server_address=master.address, local_buffer_size=4 * MiB,
                                        deadline=0.02, retry_after=0.001)

@@ -88,7 +88,12 @@ def _fixed_width_tables(lines: Sequence[str]) -> list[Table]:
     while index < len(lines):
         header = lines[index]
         first = _numeric_row(lines[index + 1]) if index + 1 < len(lines) else None
-        if not header.strip() or _numeric_row(header) is not None or first is None or header.lstrip().startswith("|"):
+        if (
+            not header.strip()
+            or _numeric_row(header) is not None
+            or first is None
+            or header.lstrip().startswith("|")
+        ):
             index += 1
             continue
         columns = _column_names(header, first[1])
@@ -130,9 +135,15 @@ def _markdown_tables(lines: Sequence[str]) -> list[Table]:
                 numbers.append(found.group() if found else None)
             rows.append((cells[0], numbers))
             index += 1
-        keep = [i for i in range(len(names) - 1) if rows and all(r[1][i] is not None for r in rows if i < len(r[1]))]
+        keep = [
+            i
+            for i in range(len(names) - 1)
+            if rows and all(r[1][i] is not None for r in rows if i < len(r[1]))
+        ]
         columns = tuple(names[i + 1] for i in keep)
-        tables.append(Table(names[0], columns, tuple((label, tuple(str(r[i]) for i in keep)) for label, r in rows)))
+        tables.append(
+            Table(names[0], columns, tuple((label, tuple(str(r[i]) for i in keep)) for label, r in rows))
+        )
     return tables
 
 

@@ -299,8 +299,8 @@ async def selftest(server: EncodeServer, count: int, clients: int, seed: int) ->
             )
         )
     wrong = 0
-    for share, share_replies in zip(shares, replies):
-        for request, reply in zip(share, share_replies):
+    for share, share_replies in zip(shares, replies, strict=True):
+        for request, reply in zip(share, share_replies, strict=True):
             if "error" in reply:
                 print(f"request {request.index}: error: {reply['error']}", file=sys.stderr)
                 wrong += 1

@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 NAMESPACE = "tiny-qwen2-vl@gpu-check"
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 START_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 120.0
 
@@ -48,13 +56,19 @@ def build_model(root: Path) -> Path:
 
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(["Describe this image.", "user assistant system", "a picture of a cat"], trainer)
     tokenizer = hf.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=SPECIAL[1:]
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL[1:],
     )
     tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['content'] is string %}{{ m['content'] }}"
         "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
         "<|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -113,7 +127,9 @@ def start_server(model: Path, port: int, env: dict[str, str], log: Path) -> subp
         "--mem-fraction-static", "0.1", "--trust-remote-code",
     ]  # fmt: skip
     with log.open("wb") as out:
-        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def wait_healthy(port: int, server: subprocess.Popen[bytes], log: Path) -> None:
@@ -128,7 +144,9 @@ def wait_healthy(port: int, server: subprocess.Popen[bytes], log: Path) -> None:
         except OSError:
             pass
         time.sleep(2)
-    raise RuntimeError(f"server on {port} not healthy within {START_TIMEOUT:.0f} s: {log.read_text()[-3000:]}")
+    raise RuntimeError(
+        f"server on {port} not healthy within {START_TIMEOUT:.0f} s: {log.read_text()[-3000:]}"
+    )
 
 
 def encode(port: int, req_id: str, path: str, receiver: Any, receiver_port: int) -> bytes:
@@ -178,8 +196,8 @@ def main() -> int:
         env = dict(os.environ)
         env.update(
             MMKEY_SGLANG_BACKEND="1", MMKEY_NAMESPACE=NAMESPACE, MOONCAKE_MASTER=master.address,
-            MOONCAKE_PROTOCOL="tcp", MOONCAKE_GLOBAL_SEGMENT_SIZE="256MB", MOONCAKE_LOCAL_HOSTNAME="127.0.0.1",
-            HF_HUB_OFFLINE="1", MC_LOG_LEVEL="ERROR",
+            MOONCAKE_PROTOCOL="tcp", MOONCAKE_GLOBAL_SEGMENT_SIZE="256MB",
+            MOONCAKE_LOCAL_HOSTNAME="127.0.0.1", HF_HUB_OFFLINE="1", MC_LOG_LEVEL="ERROR",
         )  # fmt: skip
         context = zmq.Context()
         receiver = context.socket(zmq.PULL)
@@ -188,9 +206,9 @@ def main() -> int:
         logs = [root / "server-a.log", root / "server-b.log"]
         try:
             ports = [free_port(), free_port()]
-            for port, log in zip(ports, logs):
+            for port, log in zip(ports, logs, strict=True):
                 servers.append(start_server(model, port, env, log))
-            for port, server, log in zip(ports, servers, logs):
+            for port, server, log in zip(ports, servers, logs, strict=True):
                 wait_healthy(port, server, log)
             first = encode(ports[0], "gpu-check-a", picture, receiver, receiver_port)
             time.sleep(2)  # SGLang's I/O thread puts the entry after the request returned
@@ -205,7 +223,11 @@ def main() -> int:
                 embedding_bytes=len(first),
             )
             seen["ok"] = bool(
-                all(seen["started"]) and seen["put"] and seen["global_hit"] and seen["fetched"] and seen["same_embedding"]
+                all(seen["started"])
+                and seen["put"]
+                and seen["global_hit"]
+                and seen["fetched"]
+                and seen["same_embedding"]
             )
             if not seen["ok"]:
                 seen["log_tails"] = [t[-2000:] for t in texts]

@@ -52,7 +52,7 @@ def test_saves_land_in_the_cache() -> None:
         assert saver.submit(key(name), t)
     assert saver.flush(10)
     got = cache.get_embeddings([key(n) for n in tensors])
-    assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors.values()))
+    assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors.values(), strict=True))
     assert saver.counts() == SaverCounts(saved=5, failed=0, dropped=0, pending_bytes=0)
     assert saver.close(5)
 
@@ -143,7 +143,9 @@ def test_close_drops_what_it_cannot_finish_and_refuses_more() -> None:
     cache.gate.set()
 
 
-@pytest.mark.parametrize(("budget", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError), (1.5, TypeError)])
+@pytest.mark.parametrize(
+    ("budget", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError), (1.5, TypeError)]
+)
 def test_budget_is_checked(budget: object, error: type[Exception]) -> None:
     with pytest.raises(error):
         BackgroundSaver(MemoryCache(1 << 20), budget)  # type: ignore[arg-type]

@@ -38,7 +38,9 @@ def store(request: pytest.FixtureRequest) -> Iterator[MooncakeDistributedStore]:
         return
     with FakeMooncakeMaster() as fake_master:
         fake = FakeMooncakeStore()
-        assert fake.setup("127.0.0.1", "P2PHANDSHAKE", 64 * MiB, 64 * MiB, "tcp", "", fake_master.address) == OK
+        assert (
+            fake.setup("127.0.0.1", "P2PHANDSHAKE", 64 * MiB, 64 * MiB, "tcp", "", fake_master.address) == OK
+        )
         yield fake
         fake.close()
 

@@ -112,5 +112,12 @@ def test_holder_is_listed_and_explains_itself() -> None:
     assert listed.returncode == 0 and "holder" in listed.stdout
     proc = _mmkey("holder", "--help")
     assert proc.returncode == 0
-    for option in ("--master", "--global-segment-size", "--port", "--http-port", "SIGTERM", "MOONCAKE_MASTER"):
+    for option in (
+        "--master",
+        "--global-segment-size",
+        "--port",
+        "--http-port",
+        "SIGTERM",
+        "MOONCAKE_MASTER",
+    ):
         assert option in proc.stdout, option

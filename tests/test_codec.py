@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from mmkey import CorruptEntry, EmbeddingKey, HashScheme, InvalidKey, Modality, mm_hash
 from mmkey.entry.codec import (
+    _CHUNK,
+    _DIGEST_AT,
     DTYPE_CODES,
     HEADER_ALIGN,
     MAGIC,
@@ -26,7 +28,6 @@ from mmkey.entry.codec import (
     entry_size,
     peek_header,
 )
-from mmkey.entry.codec import _CHUNK, _DIGEST_AT
 
 KEY = EmbeddingKey("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(7)).to_key()
 OTHER = EmbeddingKey("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(8)).to_key()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -125,7 +126,7 @@ def place(
     if scalar:
         runs = [pool[start] for start in starts]
     else:
-        runs = [pool[start : start + n] for start, n in zip(starts, layout.rows)]
+        runs = [pool[start : start + n] for start, n in zip(starts, layout.rows, strict=True)]
     return Placed(pool, runs, starts)
 
 
@@ -146,7 +147,7 @@ def layouts(draw: st.DrawFn, total: int) -> Layout:
     count = draw(st.integers(1, 4))
     cuts = sorted(draw(st.lists(st.integers(0, total), min_size=count - 1, max_size=count - 1)))
     bounds = [0, *cuts, total]
-    rows = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    rows = tuple(b - a for a, b in itertools.pairwise(bounds))
     order = tuple(draw(st.permutations(range(count))))
     gaps = tuple(draw(st.lists(st.integers(1, 2), min_size=count + 1, max_size=count + 1)))
     return Layout(rows, order, gaps)
@@ -219,7 +220,7 @@ def test_split_payload_entries_are_the_joined_entries(case: Case) -> None:
     want = bytearray(target.pool.numel() * dtype.itemsize)
     payload = entry[len(head) :]
     at = 0
-    for start, run in zip(target.starts, target.runs):
+    for start, run in zip(target.starts, target.runs, strict=True):
         size = run.numel() * dtype.itemsize
         want[start * row : start * row + size] = payload[at : at + size]
         at += size

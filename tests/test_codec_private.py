@@ -10,6 +10,7 @@ hashed the copy would sign the new bytes).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -55,6 +56,11 @@ def on_hash(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Callable[[], None]
     yield hooks
 
 
+def overwrite_from(data: bytearray, start: int) -> None:
+    """The stranger's bytes over `data` from `start` on."""
+    data[start:] = bytes([STRANGER]) * (len(data) - start)
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_bytes_written_after_they_were_hashed_are_never_returned(
     n: int, on_hash: list[Callable[[], None]]
@@ -69,7 +75,7 @@ def test_bytes_written_after_they_were_hashed_are_never_returned(
     ]
     for read in reads:
         data = bytearray(entry)
-        on_hash[1] = lambda: data.__setitem__(slice(head, None), bytes([STRANGER]) * (len(data) - head))
+        on_hash[1] = functools.partial(overwrite_from, data, head)
         try:
             got = read(data)
         except ForgedEntry:

@@ -25,7 +25,7 @@ def test_the_stream_is_the_same_on_every_run_and_repeats_images() -> None:
     config = StreamConfig(requests=12, pool=6)
     first, second = list(synthetic_requests(config)), list(synthetic_requests(config))
     assert [r.image_ids for r in first] == [r.image_ids for r in second]
-    assert all(torch.equal(a.pixel_values, b.pixel_values) for a, b in zip(first, second))
+    assert all(torch.equal(a.pixel_values, b.pixel_values) for a, b in zip(first, second, strict=True))
     ids = [i for r in first for i in r.image_ids]
     assert len(set(ids)) < len(ids), "images repeat across requests"
     other = list(synthetic_requests(StreamConfig(requests=12, pool=6, seed=1)))
@@ -36,7 +36,9 @@ def test_a_repeated_image_has_the_same_bytes_and_so_the_same_digest() -> None:
     requests = list(synthetic_requests(StreamConfig(requests=20, pool=3)))
     digests: dict[int, set[int]] = {}
     for r in requests:
-        for image_id, digest in zip(r.image_ids, hashes_from_features(r.pixel_values, r.grid_thw)):
+        for image_id, digest in zip(
+            r.image_ids, hashes_from_features(r.pixel_values, r.grid_thw), strict=True
+        ):
             digests.setdefault(image_id, set()).add(digest)
     assert all(len(d) == 1 for d in digests.values())
     assert len({d for ds in digests.values() for d in ds}) == len(digests)
@@ -61,7 +63,7 @@ def test_patchify_lays_rows_out_like_the_qwen2_vl_processor() -> None:
     std, mean = 0.26130258, 0.4578275
     c_of = ((per_channel[:, 1, 0] * std + mean) * 255).round().long().tolist()
     # 2x2 merge windows are contiguous, windows in row-major order
-    assert list(zip(r_of, c_of))[:8] == [
+    assert list(zip(r_of, c_of, strict=True))[:8] == [
         (0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3),
     ]
 
@@ -81,7 +83,7 @@ def test_the_encoder_gives_one_merged_embedding_per_item() -> None:
     assert [tuple(e.shape) for e in out] == [(t * h * w // 4, 48) for t, h, w in request.grid_thw]
     assert not any(e.requires_grad for e in out)
     again = TinyVisionEncoder(SMALL).encode(request.pixel_values, grid)
-    assert all(torch.equal(a, b) for a, b in zip(out, again)), "fixed seed: same weights"
+    assert all(torch.equal(a, b) for a, b in zip(out, again, strict=True)), "fixed seed: same weights"
     other = TinyVisionEncoder(VisionConfig(dim=32, depth=1, heads=2, out_dim=48, seed=1))
     assert not torch.equal(other.encode(request.pixel_values, grid)[0], out[0])
     first_rows = request.grid_thw[0][1] * request.grid_thw[0][2]

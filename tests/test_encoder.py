@@ -78,8 +78,8 @@ class CountingEncoder:
         sizes = [t * h * w for t, h, w in grids]
         assert sum(sizes) == features.shape[0], "the encoder gets exactly the missed rows"
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        rows = [features[s : s + n] for s, n in zip(starts, sizes)]
-        return [reference(r, g, self.scale) for r, g in zip(rows, grids)]
+        rows = [features[s : s + n] for s, n in zip(starts, sizes, strict=True)]
+        return [reference(r, g, self.scale) for r, g in zip(rows, grids, strict=True)]
 
 
 class DictCache:
@@ -123,7 +123,7 @@ class DictCache:
         texts = self._enter("insert_batch", keys)
         if "insert_batch" in self.malformed:
             return [1] * len(texts)  # type: ignore[list-item]
-        for t, e in zip(texts, embeddings):
+        for t, e in zip(texts, embeddings, strict=True):
             self.entries[t] = e.clone()
         return [True] * len(texts)
 
@@ -182,7 +182,7 @@ def test_sglang_digests_are_sglangs_hash_of_each_items_rows() -> None:
     feature, grids = request([7, 8])
     digests = hashes_from_features(feature, grids, scheme=HashScheme.SGLANG)
     start = 0
-    for digest, (t, h, w) in zip(digests, grids):
+    for digest, (t, h, w) in zip(digests, grids, strict=True):
         rows = feature[start : start + t * h * w]
         start += t * h * w
         raw = rows.contiguous().view(torch.uint8).numpy().tobytes()
@@ -271,7 +271,7 @@ def test_only_misses_reach_the_encoder() -> None:
     assert torch.equal(out[1], first[0]) and torch.equal(out[2], first[1])
     again = encode_with_cache(feature, grids, encode=encode, cache=cache, namespace=NS)
     assert encode.items_encoded == 4 and len(encode.calls) == 2, "all hits: no encoder call"
-    assert all(torch.equal(a, b) for a, b in zip(again, out))
+    assert all(torch.equal(a, b) for a, b in zip(again, out, strict=True))
 
 
 def test_identical_items_in_one_request_are_encoded_once() -> None:
@@ -303,7 +303,7 @@ def test_results_come_back_in_input_order() -> None:
     feature, grids = request(ids)
     out = encode_with_cache(feature, grids, encode=encode, cache=cache, namespace=NS)
     assert len(out) == len(ids)
-    for got, image_id in zip(out, ids):
+    for got, image_id in zip(out, ids, strict=True):
         rows, grid = item(image_id)
         assert torch.equal(got, reference(rows, grid))
 
@@ -315,11 +315,11 @@ def test_a_second_model_never_reuses_the_first_models_embeddings() -> None:
     encode_with_cache(feature, grids, encode=model_a, cache=cache, namespace="model-a")
     out_b = encode_with_cache(feature, grids, encode=model_b, cache=cache, namespace="model-b")
     assert model_b.items_encoded == 3, "model B found none of model A's entries"
-    for got, image_id in zip(out_b, [1, 2, 3]):
+    for got, image_id in zip(out_b, [1, 2, 3], strict=True):
         assert torch.equal(got, reference(*item(image_id), scale=-3.0))
     out_a = encode_with_cache(feature, grids, encode=model_a, cache=cache, namespace="model-a")
     assert model_a.items_encoded == 3, "model A still hits its own entries"
-    assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out_a, [1, 2, 3]))
+    assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out_a, [1, 2, 3], strict=True))
     assert len(cache.entries) == 6
 
 
@@ -392,7 +392,7 @@ def test_a_raising_cache_recomputes_and_counts(
     ids = [1, 2, 3]
     with caplog.at_level(logging.WARNING, logger="mmkey.encoder"):
         result = encode_with_cache_report(*request(ids), encode=encode, cache=cache, namespace=NS)
-    assert [torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, ids)] == [
+    assert [torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, ids, strict=True)] == [
         True
     ] * 3
     assert result.report.cache_errors == 1
@@ -410,7 +410,7 @@ def test_a_cache_that_answers_nonsense_is_a_counted_failure(op: str) -> None:
     encode_with_cache(*request([1, 2]), encode=encode, cache=cache, namespace=NS)
     cache.malformed.add(op)
     result = encode_with_cache_report(*request([1, 2]), encode=encode, cache=cache, namespace=NS)
-    assert all(torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, [1, 2]))
+    assert all(torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, [1, 2], strict=True))
     if op == "insert_batch":
         assert result.report.cache_errors == 0, "all hits: nothing to insert"
         result = encode_with_cache_report(*request([3]), encode=encode, cache=cache, namespace=NS)
@@ -447,7 +447,7 @@ def test_memory_cache_end_to_end() -> None:
     first = encode_with_cache_report(*request(ids), encode=encode, cache=cache, namespace=NS)
     second = encode_with_cache_report(*request(ids), encode=encode, cache=cache, namespace=NS)
     assert (first.report.encoded, second.report.encoded, second.report.hits) == (3, 0, 3)
-    assert all(torch.equal(a, b) for a, b in zip(first.embeddings, second.embeddings))
+    assert all(torch.equal(a, b) for a, b in zip(first.embeddings, second.embeddings, strict=True))
     assert cache.stats().entries == 3
 
 
@@ -543,7 +543,7 @@ def test_any_request_gets_its_own_embeddings_and_encodes_each_miss_once(
     before = encode.items_encoded
     out = encode_with_cache(*request(ids), encode=encode, cache=cache, namespace=NS)
     assert len(out) == len(ids)
-    assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out, ids))
+    assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out, ids, strict=True))
     assert encode.items_encoded - before == len(set(ids) - cached)
 
 

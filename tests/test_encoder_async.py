@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_encoder import NS, CountingEncoder, DictCache, item, reference, request
 
 import mmkey.encoder.cached
 from mmkey import AsyncCache, CacheKey, CacheStats, MemoryCache
 from mmkey.encoder import aencode_with_cache, aencode_with_cache_report, encode_with_cache
 from mmkey.encoder._plan import EncodePlan
+from test_encoder import NS, CountingEncoder, DictCache, item, reference, request
 
 
 class AsyncDictCache:
@@ -63,7 +63,7 @@ def test_only_misses_reach_an_async_encoder_once_each_in_order() -> None:
             *request(ids), encode=encode.run, cache=cache, namespace=NS
         )
         assert encode.items_encoded == 4, "3 and 4 once each; 1 and 2 were hits"
-        assert all(torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, ids))
+        assert all(torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, ids, strict=True))
         assert (result.report.hits, result.report.encoded, result.report.duplicates) == (2, 2, 1)
 
     asyncio.run(main())
@@ -107,7 +107,9 @@ def test_a_failing_async_cache_recomputes_and_counts(op: str) -> None:
         result = await aencode_with_cache_report(
             *request([1, 2]), encode=encode, cache=cache, namespace=NS
         )
-        assert all(torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, [1, 2]))
+        assert all(
+            torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, [1, 2], strict=True)
+        )
         assert result.report.cache_errors == 1
 
     asyncio.run(main())
@@ -142,7 +144,7 @@ def test_large_requests_are_hashed_off_the_event_loop(monkeypatch: pytest.Monkey
         out = await aencode_with_cache(
             *request([1, 2]), encode=CountingEncoder(), cache=AsyncDictCache(), namespace=NS
         )
-        assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out, [1, 2]))
+        assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out, [1, 2], strict=True))
         return threading.get_ident()
 
     loop_thread = asyncio.run(main())
@@ -160,8 +162,8 @@ def test_concurrent_requests_each_get_their_own_embeddings() -> None:
                 for ids in batches
             )
         )
-        for ids, out in zip(batches, results):
-            assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out, ids))
+        for ids, out in zip(batches, results, strict=True):
+            assert all(torch.equal(g, reference(*item(i))) for g, i in zip(out, ids, strict=True))
         await cache.close()
 
     asyncio.run(main())

@@ -10,8 +10,8 @@ import logging
 import os
 import pickle
 import stat
-import subprocess
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _support import raw_client
 from mmkey.cache.mooncake.holder import HolderSpec
 from mmkey.testing.fleet import (
     Fleet,
@@ -25,7 +26,6 @@ from mmkey.testing.fleet import (
     running_fleet,
 )
 from mmkey.testing.pytest_plugin import _require_fleet
-from _support import raw_client
 
 pytestmark = pytest.mark.mooncake
 
@@ -193,12 +193,10 @@ def test_fault_controls_need_a_namespace(mooncake_fleet: Fleet) -> None:
 
 
 def test_bad_arguments(fleet_runs_here: None) -> None:
-    with pytest.raises(TypeError, match="holders"):
-        with running_fleet(True):
-            pass
-    with pytest.raises(TypeError, match="holders"):
-        with running_fleet(-1):
-            pass
+    with pytest.raises(TypeError, match="holders"), running_fleet(True):
+        pass
+    with pytest.raises(TypeError, match="holders"), running_fleet(-1):
+        pass
 
 
 def test_holder_spec_command_line() -> None:
@@ -294,7 +292,21 @@ def test_namespaced_fleet_shaping(mooncake_fleet_netns: Fleet) -> None:
 def _netem_missing(holder: HolderProcess) -> bool:
     assert holder.netns is not None
     probe = subprocess.run(
-        ["ip", "netns", "exec", holder.netns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+        [
+            "ip",
+            "netns",
+            "exec",
+            holder.netns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "netem",
+            "delay",
+            "1ms",
+        ],
         capture_output=True,
         text=True,
     )
@@ -332,9 +344,8 @@ def test_netns_refusal_names_the_reason(monkeypatch: pytest.MonkeyPatch, fleet_r
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     reason = netns_unavailable_reason()
     assert reason is not None and "root" in reason
-    with pytest.raises(FleetStartError, match="root"):
-        with running_fleet(1, netns=True):
-            pass
+    with pytest.raises(FleetStartError, match="root"), running_fleet(1, netns=True):
+        pass
 
 
 def test_a_holder_that_cannot_join_reports_its_log(fleet_runs_here: None) -> None:

@@ -44,7 +44,11 @@ GOLDEN_DIGESTS = {
     "bf16_3x4": ("7e7b5efa1ad888ee7fb053335008532e", "411b54415cd99b6203ea950dd3b4eed7", "b77f881fda0756b0"),
     "f32_12": ("fdd1cecebb0a2427b544ab1e03a6e30c", "ea82a87e6c1beb33c06ec56b6ad290dc", "29e1889124dc651e"),
     "u8_empty": ("1102079852eefbb4d2348918a1d18f04", "53d2189c23d5a648d6ff6aa2980d3cc1", "e3b0c44298fc1c14"),
-    "f32_scalar": ("15a9a8741a4b01aa6ced907f7b9cad10", "9782d085d3429f63842b909bdae43187", "c0e336a5f371ef22"),
+    "f32_scalar": (
+        "15a9a8741a4b01aa6ced907f7b9cad10",
+        "9782d085d3429f63842b909bdae43187",
+        "c0e336a5f371ef22",
+    ),
 }
 GOLDEN_BYTES = ("cc33c9f8a183096fd1f923f9f0b5056d", "5259948b730212d23d697c61a81305ac", "c9ddcc21adbc0353")
 SCHEMES = (HashScheme.BLAKE3, HashScheme.XXH3, HashScheme.SGLANG)

@@ -10,13 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mmkey import EmbeddingKey, HashScheme, Modality, mm_hash
-from mmkey.cache._guard import key_texts
 from mmkey._deadline import Call, CallTimeout, DeadlineRunner
+from mmkey.cache._guard import key_texts
 from mmkey.testing.strategies import embedding_keys
 
 
 def keys(n: int) -> list[EmbeddingKey]:
-    return EmbeddingKey.for_digests("texts", Modality.IMAGE, HashScheme.BLAKE3, [mm_hash(i) for i in range(n)])
+    return EmbeddingKey.for_digests(
+        "texts", Modality.IMAGE, HashScheme.BLAKE3, [mm_hash(i) for i in range(n)]
+    )
 
 
 @attrs.frozen(slots=True)
@@ -50,7 +52,11 @@ def test_batch_texts_are_each_keys_own_text(batch: list[EmbeddingKey], as_tuple:
 
 
 def test_keys_of_other_types_in_a_batch_are_checked_one_by_one() -> None:
-    batch: list[object] = [*keys(3), Renamed("texts", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(7)), Foreign()]
+    batch: list[object] = [
+        *keys(3),
+        Renamed("texts", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(7)),
+        Foreign(),
+    ]
     texts = key_texts(batch, "m")  # type: ignore[arg-type]
     assert texts[3].startswith("renamed-mmk1@") and texts[4] == "foreign-key"
     with pytest.raises(TypeError, match="CacheKey"):

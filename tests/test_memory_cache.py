@@ -196,7 +196,7 @@ def test_threads_never_read_a_wrong_tensor_or_exceed_the_budget() -> None:
             if rng.random() < 0.5:
                 cache.insert_batch([keys[i] for i in picks], [emb(i) for i in picks])
             else:
-                for i, got in zip(picks, cache.get_embeddings([keys[i] for i in picks])):
+                for i, got in zip(picks, cache.get_embeddings([keys[i] for i in picks]), strict=True):
                     if got is not None and not torch.equal(got, emb(i)):
                         failures.append(f"key {i} read {got[:3].tolist()}")
                     if got is not None:

@@ -22,9 +22,9 @@ from mmkey import (
     TieredCache,
     mm_hash,
 )
-from mmkey.entry.codec import entry_size
 from mmkey.cache.health import CacheHealth, ReportsHealth, health_of
-from mmkey.metrics import COUNTERS, OPERATIONS, MeteredCache
+from mmkey.entry.codec import entry_size
+from mmkey.metrics import COUNTERS, MeteredCache
 
 
 def key(i: int) -> EmbeddingKey:
@@ -128,7 +128,9 @@ def test_breaker_and_quarantined_holders_of_a_cache_that_reports_health() -> Non
     remote.fixed_health = CacheHealth()  # the holders answered again
     assert sample(registry, "mmkey_cache_breaker_open", cache="mooncake") == 0
     assert sample(registry, "mmkey_cache_quarantined_holders", cache="mooncake") == 0
-    assert sample(registry, "mmkey_cache_holder_quarantined", cache="mooncake", holder="127.0.0.1:15001") is None
+    assert (
+        sample(registry, "mmkey_cache_holder_quarantined", cache="mooncake", holder="127.0.0.1:15001") is None
+    )
     remote.fixed_health = None  # a failing hook: no health series, the scrape still works
     assert sample(registry, "mmkey_cache_breaker_open", cache="mooncake") is None
     assert sample(registry, "mmkey_cache_hits_total", cache="mooncake") == 0
@@ -141,7 +143,9 @@ def test_a_tiered_cache_merges_its_tiers_health() -> None:
     tiered = TieredCache(MemoryCache(1 << 20), far)
     assert tiered.health() == CacheHealth(quarantined=("10.0.0.2:1",), busy_lanes=1)
     assert TieredCache(MemoryCache(1), MemoryCache(1)).health() == CacheHealth()
-    merged = CacheHealth(breaker_open=True, quarantined=("a:1",)).merged(CacheHealth(quarantined=("b:2", "a:1")))
+    merged = CacheHealth(breaker_open=True, quarantined=("a:1",)).merged(
+        CacheHealth(quarantined=("b:2", "a:1"))
+    )
     assert merged == CacheHealth(breaker_open=True, quarantined=("a:1", "b:2"))
     cache = MeteredCache(tiered, name="tiered", registry=registry)
     assert sample(registry, "mmkey_cache_holder_quarantined", cache="tiered", holder="10.0.0.2:1") == 1

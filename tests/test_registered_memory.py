@@ -22,9 +22,9 @@ from typing import Any, cast
 import pytest
 import torch
 
+from _support import MiB, count_multi_buffer_puts, local_config, raw_client
 from mmkey import EmbeddingKey, EntryKeyring, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.testing.mooncake_master import MasterProcess
-from _support import MiB, count_multi_buffer_puts, local_config, raw_client
 
 sys.path.insert(0, str(Path(__file__).parent))
 from registered_memory_writer import FILL, describe  # noqa: E402
@@ -105,7 +105,7 @@ def test_a_stranger_writing_into_every_registered_buffer_never_gets_its_bytes_se
                     pages = [[pool[i * 128 : i * 128 + 64], pool[i * 128 + 64 : (i + 1) * 128]]
                              for i in range(half, len(keys))]
                     assert cache.insert_from(keys[half:], pages) == [True] * (len(keys) - half)
-                    for got, want in zip(cache.get_embeddings(keys), genuine):
+                    for got, want in zip(cache.get_embeddings(keys), genuine, strict=True):
                         if got is None:
                             refused += 1
                         else:
@@ -113,7 +113,7 @@ def test_a_stranger_writing_into_every_registered_buffer_never_gets_its_bytes_se
                             served += 1
                     targets = [torch.full((128, 128), -1.0) for _ in keys]
                     landed = cache.read_into(keys, targets)
-                    for ok, target, want in zip(landed, targets, genuine):
+                    for ok, target, want in zip(landed, targets, genuine, strict=True):
                         assert torch.equal(target, want) if ok else bool((target == -1.0).all())
             finally:
                 out, _ = stranger.communicate(timeout=ATTACK_S + 30)

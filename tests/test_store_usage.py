@@ -54,7 +54,9 @@ def test_reads_a_real_master(mooncake_master: MasterProcess) -> None:
     health = _master_http.read_health("127.0.0.1", mooncake_master.metrics_port)
     assert health is not None and health.get("service_ready") is True
     store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 32 << 20, 16 << 20, "tcp", "", mooncake_master.address) == 0
+    assert (
+        store.setup("127.0.0.1", "P2PHANDSHAKE", 32 << 20, 16 << 20, "tcp", "", mooncake_master.address) == 0
+    )
     try:
         for i in range(3):
             assert store.put(f"usage-{i}", b"v" * 1000) == 0

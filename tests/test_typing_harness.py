@@ -51,7 +51,9 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYRIGHT_PYTHON_IGNORE_WARNINGS": "1", "PYTHONPATH": str(ROOT / "src")}
 
 
-def test_mypy_reports_the_unused_mark_and_the_error_marked_for_pyright_only(probe: Path, tmp_path: Path) -> None:
+def test_mypy_reports_the_unused_mark_and_the_error_marked_for_pyright_only(
+    probe: Path, tmp_path: Path
+) -> None:
     done = subprocess.run(
         [_tool("mypy"), "--config-file", str(ROOT / "mypy.ini"), "--cache-dir", str(tmp_path / "cache"),
          "--no-error-summary", str(probe)],

@@ -6,7 +6,6 @@ import torch
 from mooncake.store import MooncakeDistributedStore, ReplicaDescriptor, ReplicateConfig
 from typing_extensions import assert_type
 
-from mmkey.cache.health import CacheHealth
 from mmkey import (
     AsyncCache,
     CacheStats,
@@ -18,6 +17,7 @@ from mmkey import (
     MooncakeConfig,
     TieredCache,
 )
+from mmkey.cache.health import CacheHealth
 
 
 def adapter_types(config: MooncakeConfig, key: EmbeddingKey, t: torch.Tensor, h: MMHash) -> None:
@@ -57,7 +57,9 @@ def binding_types(store: MooncakeDistributedStore) -> None:
     assert_type(store.batch_upsert_from(["k"], [0], [1]), list[int])
     store.put("k", b"v", ReplicateConfig())
     assert_type(store.batch_get_replica_desc(["k"]), dict[str, list[ReplicaDescriptor]])
-    assert_type(store.get_replica_desc("k")[0].get_memory_descriptor().buffer_descriptor.transport_endpoint, str)
+    assert_type(
+        store.get_replica_desc("k")[0].get_memory_descriptor().buffer_descriptor.transport_endpoint, str
+    )
     store.get(key="k")  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
     store.put(5, b"v")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     store.batch_is_exist("k")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]

@@ -16,12 +16,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mmkey.cache.aio import AsyncCache
-from mmkey.entry.auth import EntryKeyring, EntrySecret
 from mmkey.cache.memory import MemoryCache
 from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.cache.protocol import AsyncEmbeddingCache, CacheStats, EmbeddingCache
 from mmkey.cache.tiered import TieredCache
 from mmkey.digest import HashScheme, MMHash, Modality, mm_hash
+from mmkey.entry.auth import EntryKeyring, EntrySecret
 from mmkey.errors import (
     CorruptEntry,
     ForgedEntry,

@@ -97,12 +97,14 @@ def hash_rows(dtype_names: tuple[str, ...] = ("float32", "bfloat16"), repeats: i
         t = feature_tensor(dtype_name)
         nbytes = t.numel() * t.element_size()
         paths: list[tuple[str, Callable[[], object]]] = [
-            ("SGLang CPU algorithm (anchor)", lambda: sglang_cpu_anchor(t)),
-            ("vLLM-style blake3 + tobytes (anchor)", lambda: vllm_blake3_anchor(t)),
-            ("memory read bandwidth: tensor.sum()", lambda: t.sum()),
-            ("read bandwidth, 1 thread: tensor.sum()", lambda: _one_thread(t.sum)),
+            ("SGLang CPU algorithm (anchor)", functools.partial(sglang_cpu_anchor, t)),
+            ("vLLM-style blake3 + tobytes (anchor)", functools.partial(vllm_blake3_anchor, t)),
+            ("memory read bandwidth: tensor.sum()", t.sum),
+            ("read bandwidth, 1 thread: tensor.sum()", functools.partial(_one_thread, t.sum)),
         ]
-        paths.extend((f"mmkey {s.value}", functools.partial(hash_tensor, t, s)) for s in HashScheme if s.hashes_content)
+        paths.extend(
+            (f"mmkey {s.value}", functools.partial(hash_tensor, t, s)) for s in HashScheme if s.hashes_content
+        )
         speeds = {name: nbytes / time_best(fn, repeats) / 1e9 for name, fn in paths}
         sglang = speeds["SGLang CPU algorithm (anchor)"]
         read = speeds["memory read bandwidth: tensor.sum()"]

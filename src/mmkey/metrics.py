@@ -22,6 +22,7 @@ Exported (each with a ``cache`` label naming the wrapped cache):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -116,10 +117,8 @@ class _CacheMetrics(Collector):
                 del self._caches[name]
         for operation in OPERATIONS:
             for metric in (self.latency, self.keys):
-                try:
+                with contextlib.suppress(KeyError):
                     metric.remove(name, operation)
-                except KeyError:
-                    pass
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
@@ -216,7 +215,10 @@ class MeteredCache:
         self._name = name
         self._metrics = _metrics_for(target, buckets)
         self._timers = {
-            operation: (self._metrics.latency.labels(name, operation), self._metrics.keys.labels(name, operation))
+            operation: (
+                self._metrics.latency.labels(name, operation),
+                self._metrics.keys.labels(name, operation),
+            )
             for operation in OPERATIONS
         }
         self._metrics.add(name, self)

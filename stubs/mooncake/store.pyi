@@ -17,9 +17,7 @@
 #   read targets.
 
 from collections.abc import Sequence
-from typing import Any, overload
-
-from typing_extensions import TypeAlias
+from typing import Any, TypeAlias, overload
 
 _Value: TypeAlias = bytes | bytearray | memoryview
 

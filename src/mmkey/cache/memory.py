@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mmkey.cache._guard import insert_args, key_texts
+from mmkey.cache.protocol import CacheStats
 from mmkey.entry.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.entry.codec import encode_entry, verify_entry
-from mmkey.cache.protocol import CacheStats
 from mmkey.errors import CorruptEntry, ForgedEntry, StoreClosed
 from mmkey.keys import CacheKey
 
@@ -98,7 +98,7 @@ class MemoryCache:
         forged = 0
         reasons: collections.Counter[str] = collections.Counter()
         unsigned = 0
-        for text, entry in zip(texts, found):
+        for text, entry in zip(texts, found, strict=True):
             if entry is None:
                 results.append(None)
                 continue
@@ -137,10 +137,10 @@ class MemoryCache:
         self._check_open()
         texts, tensors = insert_args(keys, embeddings)
         keyring = self._keyring
-        entries = [encode_entry(t, tensor, keyring=keyring) for t, tensor in zip(texts, tensors)]
+        entries = [encode_entry(t, tensor, keyring=keyring) for t, tensor in zip(texts, tensors, strict=True)]
         with self._lock:
             self._check_open()
-            for text, entry in zip(texts, entries):
+            for text, entry in zip(texts, entries, strict=True):
                 self._put(text, entry)
             return [text in self._entries for text in texts]
 

@@ -95,7 +95,7 @@ def hash_file(path: Path, scheme: HashScheme, modality: Modality) -> list[Hashed
                 grid_thw: Any = obj[grids]
                 digests = hashes_from_features(obj[features], grid_thw, scheme=scheme)
                 rows = grid_thw.tolist() if hasattr(grid_thw, "tolist") else list(grid_thw)
-                for i, (digest, grid) in enumerate(zip(digests, rows)):
+                for i, (digest, grid) in enumerate(zip(digests, rows, strict=True)):
                     out.append(
                         Hashed(
                             f"{path}:{features}#{i}",

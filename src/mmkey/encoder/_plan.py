@@ -148,7 +148,9 @@ class EncodePlan:
         values = self._checked(
             "get_embeddings", result, len(self.fetching), (torch.Tensor, type(None))
         )
-        for slot, value in zip(self.fetching, values or []):
+        if values is None:
+            return  # no answer (counted): every fetched item is encoded
+        for slot, value in zip(self.fetching, values, strict=True):
             if isinstance(value, torch.Tensor):
                 self.found[slot] = value
             else:
@@ -187,7 +189,7 @@ class EncodePlan:
     def take_encoded(self, output: object) -> tuple[list[EmbeddingKey], list[torch.Tensor]]:
         """Check the encoder's output; the keys and embeddings to insert."""
         embeddings = _check_encoder_output(output, len(self.encoding))
-        for slot, embedding in zip(self.encoding, embeddings):
+        for slot, embedding in zip(self.encoding, embeddings, strict=True):
             self.found[slot] = embedding
         return [self.unique_keys[s] for s in self.encoding], embeddings
 

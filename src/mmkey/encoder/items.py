@@ -127,7 +127,7 @@ def _split_packed(feature: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor
     rows = feature.shape[0]
     sizes = [t * h * w for t, h, w in grids]
     start = 0
-    for i, (grid, size) in enumerate(zip(grids, sizes)):
+    for i, (grid, size) in enumerate(zip(grids, sizes, strict=True)):
         if start + size > rows:
             raise ValueError(
                 f"item {i}: grid {grid} needs rows {start}..{start + size - 1} "
@@ -141,8 +141,9 @@ def _split_packed(feature: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor
             f"the feature tensor has {rows} rows but grid_thw describes {start}: rows "
             f"{start}..{rows - 1} belong to no item; is an item missing, or is {last} wrong?"
         )
+    # each item's first row; the last offset (the end of the last item) is left unused
     offsets = itertools.accumulate(sizes, initial=0)
-    return [feature.narrow(0, start, size) for start, size in zip(offsets, sizes)]
+    return [feature.narrow(0, start, size) for start, size in zip(offsets, sizes, strict=False)]
 
 
 def _tensor_list(feature: object) -> list[torch.Tensor]:
@@ -161,7 +162,7 @@ def _tensor_list(feature: object) -> list[torch.Tensor]:
 def _check_item_rows(rows: list[torch.Tensor], grids: list[Grid]) -> None:
     if len(rows) != len(grids):
         raise ValueError(f"{len(rows)} feature tensors but {len(grids)} grids; give one per item")
-    for i, (item, grid) in enumerate(zip(rows, grids)):
+    for i, (item, grid) in enumerate(zip(rows, grids, strict=True)):
         t, h, w = grid
         have = item.shape[0] if item.dim() else 0
         if have != t * h * w:
@@ -186,7 +187,7 @@ def item_digest(rows: torch.Tensor, grid: Grid | None, scheme: HashScheme) -> MM
 def digests_of(items: Items, scheme: HashScheme) -> list[MMHash]:
     """One digest per item of `items`, in order."""
     grids: Sequence[Grid | None] = items.grids if items.grids is not None else [None] * len(items)
-    return [item_digest(rows, grid, scheme) for rows, grid in zip(items.rows, grids)]
+    return [item_digest(rows, grid, scheme) for rows, grid in zip(items.rows, grids, strict=True)]
 
 
 @overload

@@ -448,7 +448,7 @@ def entry_header(
     nbytes = [t.numel() * t.element_size() for t in runs.tensors]
     head = _header(raw_key, runs.shape, rt.code_of[runs.dtype], sum(nbytes), secret)
     parts = [
-        rt.memory_view(t.data_ptr(), n, _PyBUF_READ) for t, n in zip(runs.tensors, nbytes) if n
+        rt.memory_view(t.data_ptr(), n, _PyBUF_READ) for t, n in zip(runs.tensors, nbytes, strict=True) if n
     ]
     _seal(head, parts, secret, rt)
     return bytes(head)

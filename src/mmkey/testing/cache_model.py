@@ -117,9 +117,9 @@ def make_cache_state_machine(
             assert isinstance(held, list)  # for callers without mypy
             assert len(held) == len(picks)
             written: dict[int, list[torch.Tensor]] = {}
-            for i, tensor in zip(picks, tensors):
+            for i, tensor in zip(picks, tensors, strict=True):
                 written.setdefault(i, []).append(tensor.clone())
-            for i, ok in zip(picks, held):
+            for i, ok in zip(picks, held, strict=True):
                 if ok:
                     self.allowed[i] = written[i]
                     if not evicts:
@@ -134,7 +134,7 @@ def make_cache_state_machine(
             got = self.cache.get_embeddings([self.keys[i] for i in picks])
             assert isinstance(got, list)  # for callers without mypy
             assert len(got) == len(picks)
-            for i, tensor in zip(picks, got):
+            for i, tensor in zip(picks, got, strict=True):
                 self._check_read(i, tensor)
             stats = self.cache.stats()
             hits = sum(t is not None for t in got)
@@ -143,7 +143,9 @@ def make_cache_state_machine(
             for tensor in got:  # mutating what was read must not reach the cache
                 if tensor is not None:
                     _scribble(tensor)
-            for i, tensor in zip(picks, self.cache.get_embeddings([self.keys[i] for i in picks])):
+            for i, tensor in zip(
+                picks, self.cache.get_embeddings([self.keys[i] for i in picks]), strict=True
+            ):
                 self._check_read(i, tensor)
 
         @rule(picks=indexes)
@@ -152,10 +154,10 @@ def make_cache_state_machine(
             held = self.cache.batch_is_exist(keys)
             assert isinstance(held, list)  # for callers without mypy
             assert len(held) == len(picks)
-            for i, h in zip(picks, held):
+            for i, h in zip(picks, held, strict=True):
                 assert h or evicts or i not in self.sure, f"key {i} was written, exists says no"
                 assert not h or i in self.allowed, f"key {i} was never written, exists says yes"
-            for i, h, got in zip(picks, held, self.cache.get_embeddings(keys)):
+            for i, h, got in zip(picks, held, self.cache.get_embeddings(keys), strict=True):
                 assert got is not None or not h, f"key {i} exists but reads as a miss"
                 self._check_read(i, got)
 

@@ -368,7 +368,9 @@ class HolderProcess(ManagedProcess):
                 self.unshape()
                 message = done.stderr.strip()
                 if "unknown" in message.lower():
-                    raise ShapingUnavailable(f"tc qdisc {qdisc[0]} is not available in this kernel: {message}")
+                    raise ShapingUnavailable(
+                        f"tc qdisc {qdisc[0]} is not available in this kernel: {message}"
+                    )
                 raise FleetStartError(f"tc qdisc {qdisc[0]} on {link} failed: {message}")
         self._shaped = True
 

@@ -1,7 +1,5 @@
 from collections import UserDict
 
-
-
 class PlaceholderRange:
     offset: int
     length: int

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from mmkey.cache.protocol import EmbeddingCache
     from mmkey.cache.mooncake.usage import StoreUsage
+    from mmkey.cache.protocol import EmbeddingCache
     from mmkey.cli.demo import DemoResult
     from mmkey.encoder import EncodeReport
 

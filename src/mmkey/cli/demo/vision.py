@@ -74,7 +74,9 @@ class _Merger(nn.Module):
         self.window: int = merge * merge
         self.norm: nn.LayerNorm = nn.LayerNorm(dim)
         hidden = dim * self.window
-        self.mlp: nn.Sequential = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, out_dim))
+        self.mlp: nn.Sequential = nn.Sequential(
+            nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, out_dim)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[n, dim]`` patch rows in, ``[n / merge**2, out_dim]`` merged tokens out."""

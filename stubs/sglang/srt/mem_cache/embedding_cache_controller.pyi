@@ -4,7 +4,6 @@ from enum import Enum
 from typing import Any
 
 import torch
-
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 from sglang.srt.multimodal.modality import Modality
 
@@ -96,5 +95,7 @@ class EmbeddingCacheController:
         self, mm_hashes: list[str], tensors: list[torch.Tensor], modality: Any = None
     ) -> list[tuple[EmbeddingCacheEntry, Any]]: ...
     def wait_store_to_pool(self, handles: list[tuple[EmbeddingCacheEntry, Any]]) -> None: ...
-    def load_to_device_async(self, mm_hash: str, dst_tensor: torch.Tensor, dst_token_offset: int) -> Any | None: ...
+    def load_to_device_async(
+        self, mm_hash: str, dst_tensor: torch.Tensor, dst_token_offset: int
+    ) -> Any | None: ...
     def wait_load_to_device(self, handles: list[Any]) -> None: ...

@@ -1,6 +1,5 @@
 import abc
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch

@@ -2,7 +2,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 

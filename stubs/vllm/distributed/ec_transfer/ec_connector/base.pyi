@@ -3,7 +3,6 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
-
 from vllm.config import VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 from vllm.v1.core.sched.output import SchedulerOutput

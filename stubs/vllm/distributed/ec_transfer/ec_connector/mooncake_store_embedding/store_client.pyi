@@ -2,7 +2,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
 from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import TensorSpec
 
 class MooncakeEmbeddingStoreClient:
