@@ -58,7 +58,7 @@ def _vllm_connector_stand_in() -> None:
     """Real classes for the vLLM names ``mmkey.integrations.vllm`` imports, with the hooks its
     import-time API check asks for (read from that module's source), so that autodoc can
     import it without vLLM. Nothing but the docs build imports them."""
-    source = (DOCS.parent / "src" / "mmkey" / "integrations" / "vllm.py").read_text()
+    source = (DOCS.parent / "src" / "mmkey" / "integrations" / "vllm" / "_api.py").read_text()
     [hooks] = [
         ast.literal_eval(node.value)
         for node in ast.walk(ast.parse(source))

@@ -137,7 +137,7 @@ def test_is_an_sglang_embedding_store(make_store: Callable[..., MMKeyEmbeddingSt
 def test_factory_creates_it_from_the_environment(
     mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import mmkey.integrations.sglang as integration
+    import mmkey.integrations.sglang._store as integration
 
     monkeypatch.setattr(integration, "_started", False)
     monkeypatch.setattr(EmbeddingStoreFactory, "_registry", dict(EmbeddingStoreFactory._registry))
