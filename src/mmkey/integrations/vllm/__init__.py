@@ -20,15 +20,16 @@ it; the worker side only moves staged tensors to its device, and saves new encod
 a background thread within a byte budget. Store faults are misses: counted, logged at most
 once a minute per kind, and the cache re-joins the store by itself.
 
-The package (what each module may import): ``_connector`` the connector class vLLM loads,
-which opens the cache and hands each hook to ``_scheduler`` (the scheduler side: fetches into
-``_staging``'s host memory, plans each step) or ``_worker`` (the worker side: device copies,
-background saves); ``_metadata`` what travels between them and the stats; ``_api`` the check
-of vLLM's connector API; ``_namespace``, ``_settings`` and ``_identity`` the namespace, keys and
-extra config (no vLLM imported). Modules import mmkey's core, ``integrations._common`` and
-``integrations._background_saver``, and the modules listed after them, never another stack's
-integration. This ``__init__`` imports nothing at run time: each public name loads its module
-on first use, so checking settings or keys does not load vLLM, and vLLM's
+The package, each module and what it may import: ``_connector`` the class vLLM loads (any
+module below), which opens the cache and hands each hook to its side: ``_scheduler`` (fetches
+a request's items into ``_staging``'s host memory, plans each step) or ``_worker`` (device
+copies, background saves through ``integrations._background_saver``); ``_metadata`` what
+travels between the sides, and the stats; ``_api`` the check of vLLM's connector API;
+``_namespace``, ``_settings`` and ``_identity`` the namespace, keys and extra config, which
+import no part of vLLM. A side imports ``_metadata``, ``_settings``, ``_staging`` and mmkey's
+core, never ``_connector`` or the other side; none imports another stack's integration. This
+``__init__`` imports nothing at run time: each public name loads its module on first use,
+so checking settings or keys does not load vLLM or torch, and vLLM's
 ``ec_connector_module_path`` (``mmkey.integrations.vllm``) still finds `MMKeyECConnector`.
 """
 
