@@ -13,7 +13,10 @@ Every SGLang hash text becomes an `EmbeddingKey` (see `sglang_digest`); every en
 self-describing mmkey entry (dtype, shape, key echo, checksum) verified on read against
 the pool it lands in. Anything that does not verify, any store fault and any bad input is
 ``False`` (a miss for SGLang), logged at a limited rate and counted in ``stats``; no call
-raises into SGLang.
+raises into SGLang. `batch_is_exist` answers from memory when every hash it is asked was
+answered yes (found, stored, or read and verified) in the last second, skipping the hop to
+the cache's worker lane; a stale yes costs SGLang one failed read, after which it encodes,
+and a no, a failed read or a fault forgets the hash.
 
 Data path: the pools SGLang registers are registered with Mooncake, and a put sends each
 new entry straight from its pool pages (`MooncakeCache.insert_from`: a header sealed over
@@ -32,15 +35,17 @@ configuration error (a switch value that does not plainly say on, a missing name
 SGLang version outside the tested range, an encoder process that cannot be covered) is
 logged at ERROR and makes the store's construction raise it, so the encoder refuses to start.
 
-The package (what each module may import): ``_plugin`` the plugin, ``_spawn`` the import
-hook that makes SGLang's spawned encoder processes load it (standard library and SGLang's
-plugin loader only: a spawned child imports it first), ``_store`` the store (the only module
-that imports SGLang's ``EmbeddingStore`` and mmkey's Mooncake client), ``_settings`` what is
-read from the environment, ``_keys`` hash text to keys, ``_pools`` the registered pools,
-``_hash`` the opt-in BLAKE3 feature hash. Each imports mmkey's core and modules listed before
-it, never the other way round (``_store`` > ``_plugin`` > ``_spawn``), and never another
-stack's integration. This ``__init__`` imports nothing at run time: each public name loads its
-module on first use, so a spawned child or a settings check stays as light as its module.
+The package, each module and what it may import: ``_store`` the store (the only module that
+imports SGLang's ``EmbeddingStore`` and mmkey's Mooncake client; any module below);
+``_plugin`` the plugin (``_spawn``, ``_settings``, ``_hash``); ``_spawn`` the import hook
+that makes SGLang's spawned encoder processes load the plugin (the standard library, attrs
+and SGLang's plugin loader only: a spawned child imports it first); ``_settings`` what is read
+from the environment, ``_keys`` hash text to keys, ``_pools`` the registered pools,
+``_recent`` the memory of recent yes answers, ``_hash`` the opt-in BLAKE3 feature hash
+(mmkey's core only). None imports another stack's integration, and no module imports
+``_store``: SGLang reaches it through this ``__init__``, which imports nothing at run time
+(each public name loads its module on first use), so a spawned child or a settings check
+stays as light as its module.
 """
 
 from __future__ import annotations

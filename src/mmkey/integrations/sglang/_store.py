@@ -21,6 +21,7 @@ from mmkey.integrations._common import Counters, RateLimitedLog
 from mmkey.integrations.sglang._keys import sglang_key
 from mmkey.integrations.sglang._plugin import refuse_on_plugin_errors
 from mmkey.integrations.sglang._pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
+from mmkey.integrations.sglang._recent import RecentlyPresent
 from mmkey.integrations.sglang._settings import (
     BACKEND_ENV,
     HASH_ENV,
@@ -97,6 +98,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._known: dict[str, Modality] = {}  # hash text -> modality of its pool, last few
         self._lookups: dict[str, tuple[EmbeddingKey, ...]] = {}  # hash text -> keys a lookup asks
         self._memo_lock = threading.Lock()
+        self._recent = RecentlyPresent(_REMEMBER_YES_S, _KNOWN_HASHES)
         self._counts = Counters()
         self._log = RateLimitedLog(logger, logging.ERROR, "mmkey embedding store: %s%s", period=_LOG_EVERY)
 
@@ -153,7 +155,11 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         return sglang_key(self._namespace, modality, mm_hash, self._hashes)
 
     def batch_is_exist(self, hashes: list[str]) -> list[bool]:
-        """Whether an entry exists for each hash, in any pool's modality."""
+        """Whether an entry exists for each hash, in any pool's modality. Hashes answered yes
+        (found, stored, or read and verified) within the last second are answered from
+        memory when all of them are: a stale yes costs SGLang a failed read, then it encodes."""
+        if self._recent.all_present(hashes):
+            return [True] * len(hashes)
         return self._guard("batch_is_exist", hashes, lambda: self._exist(hashes))
 
     def batch_get_into_multi_buffers(
@@ -207,6 +213,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
 
     def close(self) -> None:
         """Close the Mooncake cache; later calls answer ``False``."""
+        self._recent.close()
         if self._cache is not None:
             self._cache.close()
 
@@ -223,6 +230,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
                 raise RuntimeError("called in a process that does no store I/O (TP rank above 0)")
             return call()
         except Exception as exc:
+            self._recent.clear()
             self._counts.add(failed=1)
             self._log(f"{what}-failed", f"{what} failed ({type(exc).__name__}: {exc})", exc_info=True)
             try:
@@ -269,7 +277,9 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         with self._memo_lock:
             single = _one_key_each(self._lookups, hashes)
         if single is not None:  # every hash remembered with one key: no per-hash step
-            return self._cache.batch_is_exist(single) if single else []
+            answers = self._cache.batch_is_exist(single) if single else []
+            self._recent.note(hashes, answers)
+            return answers
         keys: list[EmbeddingKey] = []
         owners: list[int] = []
         with self._memo_lock:
@@ -280,6 +290,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         result = [False] * len(hashes)
         for owner, found in zip(owners, self._cache.batch_is_exist(keys) if keys else []):
             result[owner] = result[owner] or found
+        self._recent.note(hashes, result)
         return result
 
     def _plan(
@@ -314,6 +325,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
                 result[plan.index] = ok
         hits = sum(result)
         self._counts.add(hits=hits, misses=len(result) - hits)
+        self._recent.note(hashes, result)
         return result
 
     def _put(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
@@ -339,18 +351,21 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             stored = cache.insert_from([p.key for p in todo], [p.rows for p in todo])
             for plan, ok in zip(todo, stored):
                 result[plan.index] = ok
+        self._recent.note(hashes, result)
         return result
 
 
 def _hash_hooks_installed() -> bool:
-    from mmkey.integrations.sglang import _hash
+    from mmkey.integrations.sglang._hash import installed
 
-    return _hash.installed()
+    return installed()
 
 
 _V = TypeVar("_V")
 _KNOWN_HASHES = 8192
-"""How many hashes' pool modalities (and lookup keys) a store remembers."""
+"""How many hashes' pool modalities (and lookup keys, and recent yes answers) a store remembers."""
+_REMEMBER_YES_S = 1.0
+"""How long `batch_is_exist` answers a hash yes from memory after the store last did."""
 
 
 def _one_key_each(
