@@ -368,12 +368,18 @@ def count_store_lookups(store: MMKeyEmbeddingStore, monkeypatch: pytest.MonkeyPa
     return asked
 
 
+def frozen_memory(store: MMKeyEmbeddingStore, now: list[float]) -> None:
+    """Give the store's memory of yes answers a clock that moves only when the test moves it
+    (a loaded machine can take longer than the one-second hold between two steps)."""
+    store._recent = RecentlyPresent(1.0, 8192, clock=lambda: now[0])
+
+
 def test_a_recent_yes_is_answered_from_memory_until_it_expires(
     make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     now = [1000.0]
     store = make_store()
-    store._recent = RecentlyPresent(1.0, 8192, clock=lambda: now[0])
+    frozen_memory(store, now)
     pool, ptrs, sizes = pages(store, 8)
     pool[:8] = embedding(8, 64, 61)
     asked = count_store_lookups(store, monkeypatch)
@@ -395,6 +401,7 @@ def test_an_entry_removed_behind_a_remembered_yes_is_a_miss_and_forgotten(
     make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     writer, reader = make_store(), make_store()
+    frozen_memory(reader, [0.0])
     src, ptrs, sizes = pages(writer, 20)
     src[:20] = embedding(20, 64, 63)
     assert writer.batch_put_from_multi_buffers(["63"], ptrs, sizes) == [True]
@@ -413,6 +420,7 @@ def test_a_remembered_yes_over_a_dead_master_is_a_miss_never_an_embedding(
     mooncake_master: MasterProcess, make_store: Callable[..., MMKeyEmbeddingStore]
 ) -> None:
     store = make_store(master=mooncake_master)
+    frozen_memory(store, [0.0])
     pool, ptrs, sizes = pages(store, 30)
     pool[:30] = embedding(30, 64, 64)
     assert store.batch_put_from_multi_buffers(["64"], ptrs, sizes) == [True]
