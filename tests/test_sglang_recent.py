@@ -50,15 +50,33 @@ def test_what_is_never_answered_from_memory() -> None:
     assert not recent.all_present(["a"]) and len(recent) == 0
 
 
-def test_it_holds_at_most_its_limit_dropping_expired_then_oldest() -> None:
+def test_it_holds_at_most_its_limit_forgetting_the_older_answers_first() -> None:
     clock = Clock()
     recent = RecentlyPresent(1.0, 3, clock=clock)
     recent.note(["a", "b"], [True, True])
-    clock.now += 2.0
+    clock.now += 0.6  # a and b are now the older generation
     recent.note(["c", "d"], [True, True])
-    assert len(recent) == 4 - 2  # a and b expired and were dropped
+    assert len(recent) == 2 and recent.all_present(["c", "d"]) and not recent.all_present(["a"])
     recent.note(["e", "f"], [True, True])
-    assert len(recent) == 3 and not recent.all_present(["c"]) and recent.all_present(["d", "e", "f"])
+    assert len(recent) <= 3
+    recent.note(["g"], [True])
+    assert recent.all_present(["g"])
+
+
+def test_a_yes_lasts_between_half_the_hold_and_the_hold() -> None:
+    clock = Clock()
+    recent = RecentlyPresent(1.0, 100, clock=clock)
+    recent.note(["a"], [True])
+    clock.now += 0.3
+    recent.note(["b"], [True])
+    clock.now += 0.3  # a new generation starts with the next update
+    recent.note(["c"], [True])
+    assert recent.all_present(["a", "b", "c"])  # across both generations
+    clock.now += 0.5
+    assert not recent.all_present(["a"]) and not recent.all_present(["b"])  # 1.1 and 0.8 s old
+    assert recent.all_present(["c"])  # 0.5 s old
+    clock.now += 0.5
+    assert not recent.all_present(["c"])  # a whole hold
 
 
 @given(st.lists(st.tuples(st.sampled_from("abcd"), st.booleans()), max_size=20), st.lists(st.sampled_from("abcd"), max_size=4))

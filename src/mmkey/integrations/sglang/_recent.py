@@ -14,20 +14,27 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from itertools import compress, repeat
+from itertools import compress
 from operator import not_
 
 __all__ = ["RecentlyPresent"]
 
 
 class RecentlyPresent:
-    """Hash texts answered yes within the last `hold_s` seconds (at most `limit` of them)."""
+    """Hash texts answered yes within the last `hold_s` seconds (at most `limit` of them).
+
+    Two generations of sets, each half the hold long, so that lookups and updates are single
+    C-level set operations: a yes is remembered for at least half the hold and never longer
+    than the hold. Over the limit it forgets the older generation, then everything.
+    """
 
     def __init__(self, hold_s: float, limit: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._hold = hold_s
+        self._half = hold_s / 2
         self._limit = limit
         self._clock = clock
-        self._until: dict[str, float] = {}  # hash text -> when its yes is forgotten
+        self._young: set[str] = set()
+        self._old: set[str] = set()
+        self._born = clock()  # when the young generation began
         self._lock = threading.Lock()
         self._closed = False
 
@@ -35,8 +42,18 @@ class RecentlyPresent:
         """Whether `hashes` is a non-empty list whose every item was answered yes recently."""
         if not isinstance(hashes, list) or not hashes:
             return False
-        try:  # C-level loops: this is the whole cost of a remembered answer
-            return min(map(self._until.get, hashes, repeat(0.0))) > self._clock()
+        born = self._born  # before the sets: an update renews the sets first, then `_born`
+        young, old = self._young, self._old
+        age = self._clock() - born
+        try:  # C-level set operations: this is the whole cost of a remembered answer
+            first = hashes[0]
+            if first not in young and first not in old:
+                return False  # the usual miss, decided by one item
+            if age >= 2 * self._half:
+                return False  # both generations are past the hold
+            if age >= self._half:
+                return young.issuperset(hashes)  # the old generation is past the hold
+            return young.issuperset(hashes) or old.issuperset(set(hashes).difference(young))
         except TypeError:  # an unhashable item: the store's path refuses it
             return False
 
@@ -45,22 +62,24 @@ class RecentlyPresent:
         passed them: an item that is not text is never answered yes)."""
         if self._closed:
             return
-        now = self._clock()
         with self._lock:
-            self._until.update(compress(zip(hashes, repeat(now + self._hold)), answers))
-            if self._until and not all(answers):
-                for text in compress(hashes, map(not_, answers)):
+            self._age(self._clock())
+            if not all(answers):
+                for generation in (self._young, self._old):
                     try:
-                        self._until.pop(text, None)
-                    except TypeError:  # unhashable: never remembered
-                        pass
-            if len(self._until) > self._limit:
-                self._prune(now)
+                        generation.difference_update(compress(hashes, map(not_, answers)))
+                    except TypeError:  # an unhashable item (never remembered): forget all
+                        generation.clear()
+            self._young.update(compress(hashes, answers))
+            if len(self._young) + len(self._old) > self._limit:
+                self._old = set()
+                if len(self._young) > self._limit:
+                    self._young = set()
 
     def clear(self) -> None:
         """Forget every answer (a store fault)."""
         with self._lock:
-            self._until.clear()
+            self._young, self._old = set(), set()
 
     def close(self) -> None:
         """Forget every answer and remember none from now on (the store closed)."""
@@ -68,10 +87,13 @@ class RecentlyPresent:
         self.clear()
 
     def __len__(self) -> int:
-        return len(self._until)
+        return len(self._young | self._old)
 
-    def _prune(self, now: float) -> None:
-        """Drop expired answers, then the oldest beyond the limit (with the lock held)."""
-        self._until = {text: until for text, until in self._until.items() if until > now}
-        while len(self._until) > self._limit:
-            del self._until[next(iter(self._until))]
+    def _age(self, now: float) -> None:
+        """Start a new young generation when the current one is half a hold old (with the
+        lock held); the old one is forgotten, and both after a whole hold without updates."""
+        age = now - self._born
+        if age >= self._half:
+            self._old = self._young if age < 2 * self._half else set()
+            self._young = set()
+            self._born = now

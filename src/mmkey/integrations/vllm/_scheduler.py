@@ -1,6 +1,6 @@
 """The connector's scheduler side: fetches a request's items off the scheduler's step into
 staged host memory (`Stager`), claims an item only once it is staged, and plans each step's
-loads and saves (`MMKeyECMetadata`). Imports no part of vLLM at run time."""
+loads and saves (`MMKeyECMetadata`, the only vLLM class it needs at run time)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ class _RequestState:
     """The stager's answer count when `since` was last set."""
     waited_out: bool = False
     """The request waited its longest once; it is not deferred again."""
-
 
 
 class SchedulerSide:
@@ -260,8 +259,6 @@ class SchedulerSide:
         if self._producer and state.saved:
             return False, {_PARAMS_KEY: {"encoded": sorted(state.saved)}}
         return False, None
-
-    # -- worker side ------------------------------------------------------------------------------
 
 
 def _announced(request: Request) -> frozenset[str]:
