@@ -13,10 +13,10 @@ Every SGLang hash text becomes an `EmbeddingKey` (see `sglang_digest`); every en
 self-describing mmkey entry (dtype, shape, key echo, checksum) verified on read against
 the pool it lands in. Anything that does not verify, any store fault and any bad input is
 ``False`` (a miss for SGLang), logged at a limited rate and counted in ``stats``; no call
-raises into SGLang. `batch_is_exist` answers from memory when every hash it is asked was
-answered yes (found, stored, or read and verified) in the last second, skipping the hop to
-the cache's worker lane; a stale yes costs SGLang one failed read, after which it encodes,
-and a no, a failed read or a fault forgets the hash.
+raises into SGLang. `MMKeyEmbeddingStore.batch_is_exist` answers from memory when every
+hash it is asked was answered yes (found, stored, or read and verified) in the last second,
+skipping the hop to the cache's worker lane; a stale yes costs SGLang one failed read, after
+which it encodes, and a no, a failed read or a fault forgets the hash.
 
 Data path: the pools SGLang registers are registered with Mooncake, and a put sends each
 new entry straight from its pool pages (`MooncakeCache.insert_from`: a header sealed over
