@@ -98,7 +98,7 @@ def _import_lazy_members() -> None:
     """The integration packages load each public name's module on first use, which for
     autodoc comes after its mocks of the stacks are gone: import those modules under the
     mocks now, so their names document as the package's."""
-    from sphinx.ext.autodoc.mock import mock
+    from sphinx.ext.autodoc import mock
 
     with mock(autodoc_mock_imports):
         for package in ("mmkey.integrations.vllm", "mmkey.integrations.sglang"):
