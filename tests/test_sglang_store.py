@@ -416,6 +416,25 @@ def test_an_entry_removed_behind_a_remembered_yes_is_a_miss_and_forgotten(
     assert reader.batch_is_exist(["63"]) == [False] and asked == [1]  # the failed read forgot it
 
 
+def test_a_call_that_raises_forgets_every_remembered_yes(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_store()
+    frozen_memory(store, [0.0])
+    pool, ptrs, sizes = pages(store, 10)
+    pool[:10] = embedding(10, 64, 71)
+    assert store.batch_put_from_multi_buffers(["71"], ptrs, sizes) == [True]
+    asked = count_store_lookups(store, monkeypatch)
+    assert store.batch_is_exist(["71"]) == [True] and asked == []
+
+    def broken(*args: object) -> list[bool]:
+        raise RuntimeError("a fault inside the store's client")
+
+    monkeypatch.setattr(store.cache, "read_into", broken)
+    assert store.batch_get_into_multi_buffers(["72"], ptrs, sizes) == [False]  # another hash
+    assert store.batch_is_exist(["71"]) == [True] and asked == [1]  # asked the store again
+
+
 def test_a_remembered_yes_over_a_dead_master_is_a_miss_never_an_embedding(
     mooncake_master: MasterProcess, make_store: Callable[..., MMKeyEmbeddingStore]
 ) -> None:
