@@ -253,7 +253,7 @@ def main() -> None:
                 "mmkey fetches off the step and verifies every entry (checksum, key, dtype, shape)")
 
             # -- content keys --------------------------------------------------------------------
-            from mmkey.integrations._vllm_settings import content_digest
+            from mmkey.integrations.vllm._settings import content_digest
 
             print()
             print("| processed inputs of one image | content_digest (once per identifier) |")

@@ -37,7 +37,7 @@ def write(root: Path) -> None:
 
 
 def main() -> None:
-    from mmkey.integrations._vllm_identity import checkpoint_identity
+    from mmkey.integrations.vllm._identity import checkpoint_identity
 
     with tempfile.TemporaryDirectory(prefix="mmkey-bench-identity-") as tmp:
         root = Path(tmp)

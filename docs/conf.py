@@ -58,7 +58,7 @@ def _vllm_connector_stand_in() -> None:
     """Real classes for the vLLM names ``mmkey.integrations.vllm`` imports, with the hooks its
     import-time API check asks for (read from that module's source), so that autodoc can
     import it without vLLM. Nothing but the docs build imports them."""
-    source = (DOCS.parent / "src" / "mmkey" / "integrations" / "vllm.py").read_text()
+    source = (DOCS.parent / "src" / "mmkey" / "integrations" / "vllm" / "_api.py").read_text()
     [hooks] = [
         ast.literal_eval(node.value)
         for node in ast.walk(ast.parse(source))
@@ -92,6 +92,21 @@ def _vllm_connector_stand_in() -> None:
 
 
 _vllm_connector_stand_in()
+
+
+def _import_lazy_members() -> None:
+    """The integration packages load each public name's module on first use, which for
+    autodoc comes after its mocks of the stacks are gone: import those modules under the
+    mocks now, so their names document as the package's."""
+    from sphinx.ext.autodoc import mock
+
+    with mock(autodoc_mock_imports):
+        for package in ("mmkey.integrations.vllm", "mmkey.integrations.sglang"):
+            for home in set(importlib.import_module(package)._HOMES.values()):
+                importlib.import_module(f"{package}.{home}")
+
+
+_import_lazy_members()
 napoleon_google_docstring = False
 napoleon_numpy_docstring = False
 

@@ -1,4 +1,4 @@
-"""SGLang hash text to keys (mmkey.integrations._sglang_keys): every text, injective, no truncation.
+"""SGLang hash text to keys (mmkey.integrations.sglang._keys): every text, injective, no truncation.
 
 Needs no SGLang: the mapping is pure, so these run in every environment.
 """
@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mmkey import EmbeddingKey, HashScheme, InvalidKey, Modality, identifier_digest
-from mmkey.integrations._sglang_keys import SGLANG_HASH_LIMIT, sglang_digest, sglang_key
+from mmkey.integrations.sglang._keys import SGLANG_HASH_LIMIT, sglang_digest, sglang_key
 
 MANY = settings(max_examples=2000)
 CANONICAL = re.compile(r"0|[1-9][0-9]*")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 pytest.importorskip("sglang")
 
 from mmkey import EmbeddingKey, HashScheme, Modality, mm_hash  # noqa: E402
-from mmkey.integrations.sglang import _one_key_each  # noqa: E402
+from mmkey.integrations.sglang._store import _one_key_each  # noqa: E402
 
 KEYS = [EmbeddingKey("m", modality, HashScheme.SGLANG, mm_hash(i)) for i, modality in enumerate(Modality)]
 TEXTS = ["1", "2", "3", "x"]

@@ -28,8 +28,8 @@ require_sglang()
 import sglang.srt.plugins as plugins  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory  # noqa: E402
 
-import mmkey.integrations._sglang_ranks as ranks  # noqa: E402
-import mmkey.integrations.sglang as integration  # noqa: E402
+import mmkey.integrations.sglang._spawn as spawn_hook  # noqa: E402
+import mmkey.integrations.sglang._plugin as integration  # noqa: E402
 from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore, SGLangConfigError  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
@@ -42,12 +42,12 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
     (with ``sys.meta_path`` and the encoder's spawn targets, which the plugin may patch)."""
     monkeypatch.setattr(EmbeddingStoreFactory, "_registry", dict(EmbeddingStoreFactory._registry))
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    for target in ranks.SPAWN_TARGETS:
+    for target in spawn_hook.SPAWN_TARGETS:
         if target.module in sys.modules and hasattr(sys.modules[target.module], target.name):
             monkeypatch.setattr(sys.modules[target.module], target.name, getattr(sys.modules[target.module], target.name))
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
     monkeypatch.setattr(integration, "_plugin_errors", None)
-    monkeypatch.setattr(ranks, "_problems", {})
+    monkeypatch.setattr(spawn_hook, "_problems", {})
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)
@@ -140,7 +140,7 @@ def test_an_sglang_version_outside_the_tested_range_refuses_to_start(
 def test_the_tested_version_is_the_installed_one() -> None:
     import sglang
 
-    from mmkey.integrations._sglang_settings import check_sglang_version
+    from mmkey.integrations.sglang._settings import check_sglang_version
 
     check_sglang_version(sglang.__version__)  # the environment tests the version the extra allows
 
@@ -154,17 +154,17 @@ PROBE = Path(__file__).with_name("sglang_spawn_probe.py")
 def encoder_modules(fresh_loader: pytest.MonkeyPatch) -> Iterator[tuple[ModuleType, ModuleType, ModuleType]]:
     """SGLang's encoder server, runtime and gRPC server modules; their spawn targets and
     ``sys.meta_path`` are restored afterwards."""
-    server = importlib.import_module(ranks.SERVER_MODULE)
-    runtime = importlib.import_module(ranks.RUNTIME_MODULE)
-    grpc_server = importlib.import_module(ranks.GRPC_MODULE)
-    for target in ranks.SPAWN_TARGETS:
+    server = importlib.import_module(spawn_hook.SERVER_MODULE)
+    runtime = importlib.import_module(spawn_hook.RUNTIME_MODULE)
+    grpc_server = importlib.import_module(spawn_hook.GRPC_MODULE)
+    for target in spawn_hook.SPAWN_TARGETS:
         module = sys.modules[target.module]
         fresh_loader.setattr(module, target.name, getattr(module, target.name))
     yield server, runtime, grpc_server
 
 
 def mmkey_finders() -> list[object]:
-    return [f for f in sys.meta_path if isinstance(f, ranks.PatchAfterImport)]
+    return [f for f in sys.meta_path if isinstance(f, spawn_hook.PatchAfterImport)]
 
 
 def test_switch_on_makes_sglangs_spawning_modules_start_mmkeys_entry_points(
@@ -176,16 +176,16 @@ def test_switch_on_makes_sglangs_spawning_modules_start_mmkeys_entry_points(
     for _ in range(2):  # a second load (a process that loads plugins again) changes nothing
         fresh_loader.setattr(plugins, "_plugins_loaded", False)
         plugins.load_plugins()
-        assert runtime.launch_encoder is grpc_server.launch_encoder is ranks.launch_encoder
-        assert runtime.launch_dp_worker is ranks.launch_dp_worker
+        assert runtime.launch_encoder is grpc_server.launch_encoder is spawn_hook.launch_encoder
+        assert runtime.launch_dp_worker is spawn_hook.launch_dp_worker
         assert server.launch_encoder is sglang_launch_encoder  # SGLang's own stays where it is defined
-        assert ranks.original_of(ranks.RUNTIME_MODULE, "launch_dp_worker") is sglang_launch_dp_worker
-        assert ranks.original_of(ranks.SERVER_MODULE, "launch_encoder") is sglang_launch_encoder
+        assert spawn_hook.original_of(spawn_hook.RUNTIME_MODULE, "launch_dp_worker") is sglang_launch_dp_worker
+        assert spawn_hook.original_of(spawn_hook.SERVER_MODULE, "launch_encoder") is sglang_launch_encoder
         assert len(mmkey_finders()) == 1
     # spawn pickles a target by reference: the child imports mmkey's function, not SGLang's
     for target in (runtime.launch_encoder, runtime.launch_dp_worker):
         data = pickle.dumps(target)
-        assert b"mmkey.integrations._sglang_ranks" in data and b"sglang.srt" not in data
+        assert b"mmkey.integrations.sglang._spawn" in data and b"sglang.srt" not in data
         assert pickle.loads(data) is target
 
 
@@ -198,8 +198,8 @@ def test_switch_off_leaves_sglangs_spawn_targets_alone(
         fresh_loader.setattr(plugins, "_plugins_loaded", False)
         plugins.load_plugins()
         assert runtime.launch_encoder is grpc_server.launch_encoder is server.launch_encoder
-        assert runtime.launch_encoder.__module__ == ranks.SERVER_MODULE
-        assert runtime.launch_dp_worker.__module__ == ranks.RUNTIME_MODULE
+        assert runtime.launch_encoder.__module__ == spawn_hook.SERVER_MODULE
+        assert runtime.launch_dp_worker.__module__ == spawn_hook.RUNTIME_MODULE
         assert mmkey_finders() == []
 
 
@@ -212,11 +212,11 @@ def test_a_missing_spawn_target_is_said_at_error_and_the_encoder_refuses_to_star
     fresh_loader.delattr(runtime, "launch_dp_worker")  # as in an SGLang that renamed it
     fresh_loader.setattr(grpc_server, "launch_encoder", None)
     fresh_loader.setenv(BACKEND_ENV, "1")
-    with caplog.at_level(logging.ERROR, logger=ranks.__name__):
+    with caplog.at_level(logging.ERROR, logger=spawn_hook.__name__):
         plugins.load_plugins()
-    assert f"{ranks.RUNTIME_MODULE} has no function launch_dp_worker" in caplog.text
-    assert f"{ranks.GRPC_MODULE} has no function launch_encoder" in caplog.text
-    assert runtime.launch_encoder is ranks.launch_encoder  # the rest is still covered
+    assert f"{spawn_hook.RUNTIME_MODULE} has no function launch_dp_worker" in caplog.text
+    assert f"{spawn_hook.GRPC_MODULE} has no function launch_encoder" in caplog.text
+    assert runtime.launch_encoder is spawn_hook.launch_encoder  # the rest is still covered
     assert module_of("mooncake") == "mmkey.integrations.sglang"
     with pytest.raises(SGLangConfigError, match="has no function launch_dp_worker"):
         EmbeddingStoreFactory.create_backend("mooncake")
@@ -234,7 +234,7 @@ def test_an_sglang_that_loads_plugins_in_its_spawn_targets_is_not_patched(
     fresh_loader.setenv(BACKEND_ENV, "1")
     plugins.load_plugins()
     assert runtime.launch_dp_worker is launch_dp_worker
-    assert runtime.launch_encoder is ranks.launch_encoder
+    assert runtime.launch_encoder is spawn_hook.launch_encoder
     assert integration.plugin_errors() == []
 
 
@@ -246,7 +246,7 @@ def test_a_spawning_module_loaded_past_mmkeys_finder_is_detected(
     plugins.load_plugins()
     assert integration.plugin_errors() == []
     # what a finder ahead of mmkey's leaves behind: the module as SGLang wrote it
-    fresh_loader.setattr(runtime, "launch_encoder", ranks.original_of(ranks.SERVER_MODULE, "launch_encoder"))
+    fresh_loader.setattr(runtime, "launch_encoder", spawn_hook.original_of(spawn_hook.SERVER_MODULE, "launch_encoder"))
     with pytest.raises(SGLangConfigError, match="imported without mmkey's patch of launch_encoder"):
         EmbeddingStoreFactory.create_backend("mooncake")
 
@@ -288,11 +288,11 @@ def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store_or_refuse(mooncake_m
     refused = ("no-namespace:grpc_server.launch_encoder", "no-namespace:runtime.launch_dp_worker")
     result = run_probe((*built, *refused, "server.launch_encoder"), probe_env("1", mooncake_master_session))
     assert result["targets"] == {
-        "runtime.launch_encoder": f"{ranks.__name__}.launch_encoder",
-        "runtime.launch_dp_worker": f"{ranks.__name__}.launch_dp_worker",
-        refused[0]: f"{ranks.__name__}.launch_encoder",
-        refused[1]: f"{ranks.__name__}.launch_dp_worker",
-        "server.launch_encoder": f"{ranks.SERVER_MODULE}.launch_encoder",
+        "runtime.launch_encoder": f"{spawn_hook.__name__}.launch_encoder",
+        "runtime.launch_dp_worker": f"{spawn_hook.__name__}.launch_dp_worker",
+        refused[0]: f"{spawn_hook.__name__}.launch_encoder",
+        refused[1]: f"{spawn_hook.__name__}.launch_dp_worker",
+        "server.launch_encoder": f"{spawn_hook.SERVER_MODULE}.launch_encoder",
     }
     reports = {r["label"]: r for r in result["reports"]}
     assert sorted(reports) == sorted(result["targets"])
@@ -300,7 +300,7 @@ def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store_or_refuse(mooncake_m
         assert reports[label]["mooncake"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
         assert reports[label]["args"] == 2  # SGLang's arguments reach its entry point unchanged
     for label in built:
-        assert reports[label]["created"] == "mmkey.integrations.sglang.MMKeyEmbeddingStore"
+        assert reports[label]["created"] == "mmkey.integrations.sglang._store.MMKeyEmbeddingStore"
         assert reports[label]["namespace"] == "spawned-model"
     for label in refused:
         assert "created" not in reports[label]
@@ -328,7 +328,7 @@ def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugi
     if shutil.which("patch") is None:
         pytest.skip("needs the patch program")
     site = Path(sglang.__file__).parents[1]
-    files = {ranks.SERVER_MODULE: "launch_encoder", ranks.RUNTIME_MODULE: "launch_dp_worker"}
+    files = {spawn_hook.SERVER_MODULE: "launch_encoder", spawn_hook.RUNTIME_MODULE: "launch_dp_worker"}
     for module in files:
         relative = Path(*module.split(".")).with_suffix(".py")
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -339,9 +339,9 @@ def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugi
         relative = Path(*module.split(".")).with_suffix(".py")
         code = compile((tmp_path / relative).read_text(), str(relative), "exec")
         function = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
-        assert ranks.loads_plugins_itself(types.FunctionType(function, {}))
+        assert spawn_hook.loads_plugins_itself(types.FunctionType(function, {}))
         original = getattr(importlib.import_module(module), name)
-        assert not ranks.loads_plugins_itself(ranks.original_of(module, name) if original.__module__.startswith("mmkey") else original)
+        assert not spawn_hook.loads_plugins_itself(spawn_hook.original_of(module, name) if original.__module__.startswith("mmkey") else original)
 
 
 # -- MMKEY_SGLANG_HASH=blake3: 128-bit feature hashes through SGLang's hook registry ----------
@@ -357,7 +357,7 @@ def blake3_plugin(fresh_loader: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPat
     from sglang.srt.disaggregation.encoder.server import MMEncoder
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    import mmkey.integrations._sglang_hash as hashing
+    import mmkey.integrations.sglang._hash as hashing
 
     fresh_loader.setattr(HookRegistry, "_hooks", defaultdict(list))
     fresh_loader.setattr(HookRegistry, "_patched", set())
@@ -418,7 +418,7 @@ def test_features_that_collide_under_sglangs_64_bit_hash_get_different_keys(
     import torch
 
     from mmkey import HashScheme, Modality, hash_tensor
-    from mmkey.integrations._sglang_keys import sglang_key
+    from mmkey.integrations.sglang._keys import sglang_key
 
     pixels = torch.randn(24, 16, generator=torch.Generator().manual_seed(5))
     # the same bytes as 24 patches of 16 and as 16 patches of 24 (another image size), or
@@ -432,7 +432,7 @@ def test_features_that_collide_under_sglangs_64_bit_hash_get_different_keys(
 
 
 def test_blake3_without_the_plugin_refuses_to_start(fresh_loader: pytest.MonkeyPatch) -> None:
-    import mmkey.integrations._sglang_hash as hashing
+    import mmkey.integrations.sglang._hash as hashing
 
     fresh_loader.setattr(hashing, "_installed", False)
     fresh_loader.setenv("MMKEY_SGLANG_HASH", "blake3")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmkey import Modality
-from mmkey.integrations._sglang_pools import PoolTable, UnknownBuffer
+from mmkey.integrations.sglang._pools import PoolTable, UnknownBuffer
 
 
 def test_pools_take_modalities_in_sglang_registration_order() -> None:

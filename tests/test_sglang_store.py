@@ -32,6 +32,7 @@ from sglang.srt.multimodal.modality import Modality as SGLangModality  # noqa: E
 
 from mmkey import EmbeddingKey, MooncakeConfig, Modality  # noqa: E402
 from mmkey.integrations.sglang import MMKeyEmbeddingStore  # noqa: E402
+from mmkey.integrations.sglang._recent import RecentlyPresent  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
 pytestmark = pytest.mark.mooncake
@@ -137,7 +138,7 @@ def test_is_an_sglang_embedding_store(make_store: Callable[..., MMKeyEmbeddingSt
 def test_factory_creates_it_from_the_environment(
     mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import mmkey.integrations.sglang as integration
+    import mmkey.integrations.sglang._store as integration
 
     monkeypatch.setattr(integration, "_started", False)
     monkeypatch.setattr(EmbeddingStoreFactory, "_registry", dict(EmbeddingStoreFactory._registry))
@@ -352,6 +353,104 @@ def test_lookups_ask_one_key_for_a_hash_whose_pool_is_known(
     asked.clear()
     assert store.batch_is_exist(["51", "52"]) == [True, False]
     assert asked == [3]  # one key for the hash put from the vision pool, two for the other
+
+
+def count_store_lookups(store: MMKeyEmbeddingStore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of keys of each lookup the store's cache sends to the master."""
+    asked: list[int] = []
+    real = store.cache.batch_is_exist
+
+    def counted(keys: list[EmbeddingKey]) -> list[bool]:
+        asked.append(len(keys))
+        return real(keys)
+
+    monkeypatch.setattr(store.cache, "batch_is_exist", counted)
+    return asked
+
+
+def frozen_memory(store: MMKeyEmbeddingStore, now: list[float]) -> None:
+    """Give the store's memory of yes answers a clock that moves only when the test moves it
+    (a loaded machine can take longer than the one-second hold between two steps)."""
+    store._recent = RecentlyPresent(1.0, 8192, clock=lambda: now[0])
+
+
+def test_a_recent_yes_is_answered_from_memory_until_it_expires(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1000.0]
+    store = make_store()
+    frozen_memory(store, now)
+    pool, ptrs, sizes = pages(store, 8)
+    pool[:8] = embedding(8, 64, 61)
+    asked = count_store_lookups(store, monkeypatch)
+    assert store.batch_is_exist(["61"]) == [False]
+    assert store.batch_put_from_multi_buffers(["61"], ptrs, sizes) == [True]
+    asked.clear()
+    assert store.batch_is_exist(["61"]) == [True]  # the put's yes: no store call
+    assert store.batch_is_exist(["61", "62"]) == [True, False]  # one not remembered: all asked
+    assert asked == [2]
+    now[0] += 0.9
+    assert store.batch_is_exist(["61"]) == [True] and asked == [2]  # the store's yes of 0.9 s ago
+    now[0] += 1.0
+    assert store.batch_is_exist(["61"]) == [True] and asked == [2, 1]  # expired: asked again
+    store.close()
+    assert store.batch_is_exist(["61"]) == [False]  # a closed store remembers nothing
+
+
+def test_an_entry_removed_behind_a_remembered_yes_is_a_miss_and_forgotten(
+    make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer, reader = make_store(), make_store()
+    frozen_memory(reader, [0.0])
+    src, ptrs, sizes = pages(writer, 20)
+    src[:20] = embedding(20, 64, 63)
+    assert writer.batch_put_from_multi_buffers(["63"], ptrs, sizes) == [True]
+    dst, dst_ptrs, dst_sizes = pages(reader, 20)
+    assert reader.batch_is_exist(["63"]) == [True]
+    with raw_client(local_config(mooncake_master_session, global_segment_size=0)) as raw:
+        assert raw.remove(writer.get_key("63"), True) == 0
+    asked = count_store_lookups(reader, monkeypatch)
+    assert reader.batch_is_exist(["63"]) == [True] and asked == []  # stale, from memory
+    assert reader.batch_get_into_multi_buffers(["63"], dst_ptrs, dst_sizes) == [False]  # SGLang: a miss
+    assert not dst.any()
+    assert reader.batch_is_exist(["63"]) == [False] and asked == [1]  # the failed read forgot it
+
+
+def test_a_call_that_raises_forgets_every_remembered_yes(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_store()
+    frozen_memory(store, [0.0])
+    pool, ptrs, sizes = pages(store, 10)
+    pool[:10] = embedding(10, 64, 71)
+    assert store.batch_put_from_multi_buffers(["71"], ptrs, sizes) == [True]
+    asked = count_store_lookups(store, monkeypatch)
+    assert store.batch_is_exist(["71"]) == [True] and asked == []
+
+    def broken(*args: object) -> list[bool]:
+        raise RuntimeError("a fault inside the store's client")
+
+    monkeypatch.setattr(store.cache, "read_into", broken)
+    assert store.batch_get_into_multi_buffers(["72"], ptrs, sizes) == [False]  # another hash
+    assert store.batch_is_exist(["71"]) == [True] and asked == [1]  # asked the store again
+
+
+def test_a_remembered_yes_over_a_dead_master_is_a_miss_never_an_embedding(
+    mooncake_master: MasterProcess, make_store: Callable[..., MMKeyEmbeddingStore]
+) -> None:
+    store = make_store(master=mooncake_master)
+    frozen_memory(store, [0.0])
+    pool, ptrs, sizes = pages(store, 30)
+    pool[:30] = embedding(30, 64, 64)
+    assert store.batch_put_from_multi_buffers(["64"], ptrs, sizes) == [True]
+    pool[:30] = 0  # the pages SGLang reads into
+    mooncake_master.kill()
+    assert store.batch_is_exist(["64"]) == [True]  # remembered: no wait on the dead master
+    result, took = timed(lambda: store.batch_get_into_multi_buffers(["64"], ptrs, sizes))
+    assert result == [False] and took < BOUND
+    assert not pool.any()
+    result, took = timed(lambda: store.batch_is_exist(["64"]))
+    assert result == [False] and took < BOUND  # forgotten after the failed read: the store says no
 
 
 # -- what never verifies ------------------------------------------------------------------------

@@ -547,16 +547,16 @@ def test_staged_memory_is_bounded_and_released_when_requests_finish() -> None:
 
 
 def test_only_tensor_parallel_rank_0_saves(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mmkey.integrations.vllm as connector_module
+    import mmkey.integrations.vllm._worker as worker_module
 
     cfg = vllm_config("ec_both", namespace="tp", store="memory")
-    monkeypatch.setattr(connector_module, "_tensor_parallel_rank", lambda: 1)
+    monkeypatch.setattr(worker_module, "tensor_parallel_rank", lambda: 1)
     with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as rank1:
         meta, _ = schedule(sched, [request("a", [("x", "image", 2)])])
         produce(rank1, meta, {"x": embedding(2, 26)})
         assert rank1.flush_saves(1.0) and rank1.totals() == {}
         assert sched.cache.batch_is_exist([meta.saves["x"]]) == [False]
-    monkeypatch.setattr(connector_module, "_tensor_parallel_rank", lambda: 0)
+    monkeypatch.setattr(worker_module, "tensor_parallel_rank", lambda: 0)
     with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as rank0:
         meta, _ = schedule(sched, [request("a", [("x", "image", 2)])])
         produce(rank0, meta, {"x": embedding(2, 26)})

@@ -10,7 +10,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from mmkey import EmbeddingKey, HashScheme, InvalidKey, Modality, identifier_digest
-from mmkey.integrations._vllm_settings import (
+from mmkey.integrations.vllm._settings import (
     EXTRA_CONFIG_KEYS,
     ConnectorSettings,
     StoreKind,
@@ -219,7 +219,7 @@ def write_checkpoint(root: Path, tensors: dict[str, bytes], *, config: dict[str,
 
 
 def test_a_checkpoint_is_named_by_what_it_is_not_where_it_lies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mmkey.integrations._vllm_identity import checkpoint_identity
+    from mmkey.integrations.vllm._identity import checkpoint_identity
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     weights = {"vision_tower.patch.weight": b"\x01" * 64, "language_model.embed.weight": b"\x02" * 64}
@@ -243,21 +243,21 @@ def test_a_checkpoint_is_named_by_what_it_is_not_where_it_lies(tmp_path: Path, m
 def test_remembered_weight_digests_follow_the_files_size_and_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from mmkey.integrations import _vllm_identity
-    from mmkey.integrations._vllm_identity import weights_digest
+    from mmkey.integrations.vllm import _identity as identity_module
+    from mmkey.integrations.vllm._identity import weights_digest
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = write_checkpoint(tmp_path / "m", {"visual.w": b"\x05" * 32})
     path = root / "model.safetensors"
     first = weights_digest(path)
     reads: list[Path] = []
-    real = _vllm_identity._hash_file
+    real = identity_module._hash_file
 
     def counted(p: Path) -> str:
         reads.append(p)
         return real(p)
 
-    monkeypatch.setattr(_vllm_identity, "_hash_file", counted)
+    monkeypatch.setattr(identity_module, "_hash_file", counted)
     assert weights_digest(path) == first and reads == []  # remembered: not read again
     write_checkpoint(root, {"visual.w": b"\x06" * 32})
     os.utime(path, ns=(1, 1))

@@ -1,42 +1,9 @@
-"""SGLang integration: `MMKeyEmbeddingStore`, a verified embedding store for SGLang's global
-multimodal cache (``--enable-mm-global-cache``), and the plugin that lets SGLang load it.
-
-SGLang builds its store with no arguments, so this one configures itself from the
-environment: ``MMKEY_NAMESPACE`` (required: the model, revision and preprocessing whose
-embeddings it holds), the Mooncake configuration SGLang's own Mooncake backend reads
-(``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or the ``MOONCAKE_*`` variables, with SGLang's
-defaults; see `mmkey.integrations._sglang_settings`) and ``MMKEY_DEADLINE`` (seconds one
-store call may block SGLang's I/O thread, default 2). The effective configuration is logged
-once at start.
-
-Every SGLang hash text becomes an `EmbeddingKey` (see `sglang_digest`); every entry is a
-self-describing mmkey entry (dtype, shape, key echo, checksum) verified on read against
-the pool it lands in. Anything that does not verify, any store fault and any bad input is
-``False`` (a miss for SGLang), logged at a limited rate and counted in ``stats``; no call
-raises into SGLang.
-
-Data path: the pools SGLang registers are registered with Mooncake, and a put sends each
-new entry straight from its pool pages (`MooncakeCache.insert_from`: a header sealed over
-the pages, then header and pages in one multi-buffer put); a hash the store holds already is
-read back and, when it verifies, kept instead of rewritten. A get lands entries in the
-cache's own staging buffers and copies each into its pages only after it verified
-(`MooncakeCache.read_into`): Mooncake cannot cancel a transfer, so a read given up at the
-deadline may still land later, and SGLang hands the pages of a missed read to other
-entries at once. Only the process that does SGLang's store I/O (TP rank 0) connects.
-
-The plugin (`register_plugin`, entry point ``mmkey`` in group ``sglang.srt.plugins``) does
-nothing unless ``MMKEY_SGLANG_BACKEND`` is set to anything but ``0``: then the backend name
-``mooncake`` (the only one ``--mm-global-cache-backend`` accepts) creates this store, and so
-does ``mmkey``. Once opted in, nothing falls back to SGLang's unverified backend: a
-configuration error (a switch value that does not plainly say on, a missing namespace, an
-SGLang version outside the tested range, an encoder process that cannot be covered) is
-logged at ERROR and makes the store's construction raise it, so the encoder refuses to start.
-"""
+"""`MMKeyEmbeddingStore`: SGLang's `EmbeddingStore` over `MooncakeCache` (typed keys,
+verified entries, bounded calls); see the package's docstring for the data path."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from itertools import chain
@@ -51,52 +18,25 @@ from mmkey.cache.protocol import CacheStats
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.errors import InvalidKey
 from mmkey.integrations._common import Counters, RateLimitedLog
-from mmkey.integrations._sglang_keys import sglang_digest, sglang_key
-from mmkey.integrations._sglang_pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
-from mmkey.integrations._sglang_ranks import check_coverage, cover_spawned_encoders
-from mmkey.integrations._sglang_settings import (
+from mmkey.integrations.sglang._keys import sglang_key
+from mmkey.integrations.sglang._plugin import refuse_on_plugin_errors
+from mmkey.integrations.sglang._pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
+from mmkey.integrations.sglang._recent import RecentlyPresent
+from mmkey.integrations.sglang._settings import (
     BACKEND_ENV,
-    DEADLINE_ENV,
-    DEFAULT_DEADLINE,
     HASH_ENV,
-    NAMESPACE_ENV,
     SGLangConfigError,
-    check_sglang_version,
-    config_from_env,
     hash_mode,
     namespace_from_env,
-    opted_in,
     settings_from_env,
-    switch_problem,
 )
 from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "BACKEND_ENV",
-    "BACKEND_NAME",
-    "DEADLINE_ENV",
-    "DEFAULT_DEADLINE",
-    "HASH_ENV",
-    "NAMESPACE_ENV",
-    "REGISTRATION_ORDER",
-    "MMKeyEmbeddingStore",
-    "SGLangConfigError",
-    "config_from_env",
-    "namespace_from_env",
-    "plugin_errors",
-    "register_plugin",
-    "sglang_digest",
-    "sglang_key",
-]
+__all__ = ["MMKeyEmbeddingStore"]
 
-BACKEND_NAME = "mmkey"
-"""The backend name this store is registered under besides ``mooncake``."""
-
-_MODULE = __name__
-_CLASS = "MMKeyEmbeddingStore"
 _LOG_EVERY = 10.0
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -132,7 +72,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         tp_rank: int | None = None,
     ) -> None:
         if namespace is None or config is None:  # built by SGLang: refuse what the plugin refused
-            _refuse_on_plugin_errors()
+            refuse_on_plugin_errors()
         self._namespace = namespace_from_env() if namespace is None else namespace
         EmbeddingKey(self._namespace, Modality.IMAGE, HashScheme.SGLANG, MMHash(0))
         value: object = config
@@ -158,6 +98,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._known: dict[str, Modality] = {}  # hash text -> modality of its pool, last few
         self._lookups: dict[str, tuple[EmbeddingKey, ...]] = {}  # hash text -> keys a lookup asks
         self._memo_lock = threading.Lock()
+        self._recent = RecentlyPresent(_REMEMBER_YES_S, _KNOWN_HASHES)
         self._counts = Counters()
         self._log = RateLimitedLog(logger, logging.ERROR, "mmkey embedding store: %s%s", period=_LOG_EVERY)
 
@@ -214,7 +155,11 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         return sglang_key(self._namespace, modality, mm_hash, self._hashes)
 
     def batch_is_exist(self, hashes: list[str]) -> list[bool]:
-        """Whether an entry exists for each hash, in any pool's modality."""
+        """Whether an entry exists for each hash, in any pool's modality. Hashes answered yes
+        (found, stored, or read and verified) within the last second are answered from
+        memory when all of them are: a stale yes costs SGLang a failed read, then it encodes."""
+        if self._recent.all_present(hashes):
+            return [True] * len(hashes)
         return self._guard("batch_is_exist", hashes, lambda: self._exist(hashes))
 
     def batch_get_into_multi_buffers(
@@ -268,6 +213,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
 
     def close(self) -> None:
         """Close the Mooncake cache; later calls answer ``False``."""
+        self._recent.close()
         if self._cache is not None:
             self._cache.close()
 
@@ -284,6 +230,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
                 raise RuntimeError("called in a process that does no store I/O (TP rank above 0)")
             return call()
         except Exception as exc:
+            self._recent.clear()
             self._counts.add(failed=1)
             self._log(f"{what}-failed", f"{what} failed ({type(exc).__name__}: {exc})", exc_info=True)
             try:
@@ -330,7 +277,9 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         with self._memo_lock:
             single = _one_key_each(self._lookups, hashes)
         if single is not None:  # every hash remembered with one key: no per-hash step
-            return self._cache.batch_is_exist(single) if single else []
+            answers = self._cache.batch_is_exist(single) if single else []
+            self._recent.note(hashes, answers)
+            return answers
         keys: list[EmbeddingKey] = []
         owners: list[int] = []
         with self._memo_lock:
@@ -341,6 +290,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         result = [False] * len(hashes)
         for owner, found in zip(owners, self._cache.batch_is_exist(keys) if keys else []):
             result[owner] = result[owner] or found
+        self._recent.note(hashes, result)
         return result
 
     def _plan(
@@ -375,6 +325,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
                 result[plan.index] = ok
         hits = sum(result)
         self._counts.add(hits=hits, misses=len(result) - hits)
+        self._recent.note(hashes, result)
         return result
 
     def _put(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
@@ -400,18 +351,21 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             stored = cache.insert_from([p.key for p in todo], [p.rows for p in todo])
             for plan, ok in zip(todo, stored):
                 result[plan.index] = ok
+        self._recent.note(hashes, result)
         return result
 
 
 def _hash_hooks_installed() -> bool:
-    from mmkey.integrations import _sglang_hash
+    from mmkey.integrations.sglang._hash import installed
 
-    return _sglang_hash.installed()
+    return installed()
 
 
 _V = TypeVar("_V")
 _KNOWN_HASHES = 8192
-"""How many hashes' pool modalities (and lookup keys) a store remembers."""
+"""How many hashes' pool modalities (and lookup keys, and recent yes answers) a store remembers."""
+_REMEMBER_YES_S = 1.0
+"""How long `batch_is_exist` answers a hash yes from memory after the store last did."""
 
 
 def _one_key_each(
@@ -474,77 +428,3 @@ def _log_start(text: str) -> None:
     if not _started:
         _started = True
         logger.info("mmkey SGLang store: %s", text)
-
-
-# -- the SGLang plugin ------------------------------------------------------------------------
-
-_plugin_errors: list[str] | None = None
-"""The configuration errors the plugin found in this process (None: it has not opted in)."""
-
-
-def plugin_errors() -> list[str]:
-    """What stops mmkey's store from starting in this process: the plugin's configuration
-    errors, and the encoder processes it could not cover (empty when it did not opt in)."""
-    if _plugin_errors is None:
-        return []
-    return [*_plugin_errors, *check_coverage()]
-
-
-def _refuse_on_plugin_errors() -> None:
-    errors = plugin_errors()
-    if errors:
-        raise SGLangConfigError(
-            "mmkey's SGLang embedding store refuses to start (the encoder must not run on an "
-            f"unverified store once {BACKEND_ENV} opts in): " + " | ".join(errors)
-        )
-
-
-def register_plugin() -> None:
-    """SGLang general plugin: with ``MMKEY_SGLANG_BACKEND`` set to anything but ``0``,
-    register `MMKeyEmbeddingStore` as the ``mooncake`` and ``mmkey`` embedding store
-    backends, and make the encoder processes SGLang spawns (TP ranks above 0, DP workers) do
-    the same before they start (``cover_spawned_encoders``); otherwise do nothing.
-
-    Configuration errors (the switch's value, ``MMKEY_NAMESPACE``, ``MMKEY_SGLANG_HASH``, the
-    Mooncake configuration, SGLang's version) are logged at ERROR and recorded: the store's
-    construction then raises them, so the encoder refuses to start. Raises only when
-    SGLang's backend registry cannot be reached.
-    """
-    global _plugin_errors
-    if not opted_in():
-        return
-    from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
-
-    for name in ("mooncake", BACKEND_NAME):
-        EmbeddingStoreFactory.register_backend(name, _MODULE, _CLASS)
-    errors: list[str] = []
-    problem = switch_problem()
-    if problem is not None:
-        errors.append(str(problem))
-    for check in (_check_version, namespace_from_env, hash_mode, settings_from_env):
-        try:
-            check()
-        except SGLangConfigError as exc:
-            errors.append(str(exc))
-    _plugin_errors = errors
-    for error in errors:
-        logger.error("mmkey: %s", error)
-    cover_spawned_encoders()
-    if not errors and hash_mode() is HashScheme.BLAKE3:
-        from mmkey.integrations._sglang_hash import install
-
-        install()
-    logger.info(
-        "mmkey: --mm-global-cache-backend mooncake now creates %s.%s (%s=%s)%s",
-        _MODULE,
-        _CLASS,
-        BACKEND_ENV,
-        os.environ.get(BACKEND_ENV, ""),
-        "; it will refuse to start: see the errors above" if errors else "",
-    )
-
-
-def _check_version() -> None:
-    import sglang
-
-    check_sglang_version(str(getattr(sglang, "__version__", "unknown")))

@@ -1,4 +1,4 @@
-"""SGLang's encoder processes started by ``multiprocessing`` use mmkey's store too.
+"""The spawn hook: SGLang's encoder processes started by ``multiprocessing`` use mmkey's store too.
 
 SGLang 0.5.23 runs general plugins in its launcher only. The encode server starts its other
 processes with the ``spawn`` method, and they never load plugins: the TP ranks above 0
@@ -9,9 +9,10 @@ would build SGLang's own Mooncake backend while rank 0 builds mmkey's.
 
 `cover_spawned_encoders` replaces each of those names, in the module that passes it as a
 process target, with a function of this module of the same name. ``spawn`` pickles a target
-by reference, so the child imports this module, runs `mmkey.integrations.sglang.register_plugin`
-and then SGLang's original entry point with the same arguments. SGLang's function is left in
-place where it is defined (``...encoder.server.launch_encoder``).
+by reference, so the child imports this module, runs SGLang's plugin loader (and so
+mmkey's plugin, as the patched SGLang below does) and then SGLang's original entry point
+with the same arguments. SGLang's function is left in place where it is defined
+(``...encoder.server.launch_encoder``).
 
 The spawning modules are patched as soon as they are imported (a finder on ``sys.meta_path``
 wraps their loader), or at once if they already are. A target that already loads SGLang's
@@ -207,14 +208,12 @@ def _patch(module: ModuleType) -> None:
 
 
 def _register_backend() -> None:
-    """`register_plugin` in a spawned process (which records its own configuration errors,
-    so the store there refuses to start on them)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
+    """In a spawned process, what the launcher did before it: SGLang's plugin loader (which
+    runs mmkey's plugin, recording its own configuration errors so the store there refuses
+    to start on them, then applies the registered hooks), as the patched SGLang does."""
+    from sglang.srt.plugins import load_plugins
 
-    from mmkey.integrations.sglang import register_plugin
-
-    register_plugin()
-    HookRegistry.apply_hooks()  # what SGLang's load_plugins does after the plugins ran
+    load_plugins()
 
 
 class PatchAfterImport(importlib.abc.MetaPathFinder):

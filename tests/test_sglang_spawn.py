@@ -18,7 +18,7 @@ from types import ModuleType
 
 import pytest
 
-import mmkey.integrations._sglang_ranks as ranks
+import mmkey.integrations.sglang._spawn as spawn_hook
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_a_named_module_is_patched_after_it_executes_and_again_on_reload(isolate
         seen.append(getattr(module, "launch")())
         setattr(module, "launch", lambda: "patched")
 
-    sys.meta_path.insert(0, ranks.PatchAfterImport({name}, patch))
+    sys.meta_path.insert(0, spawn_hook.PatchAfterImport({name}, patch))
     module = importlib.import_module(name)
     assert seen == ["original"] and getattr(module, "launch")() == "patched"
     assert "return 'original'" in inspect.getsource(module)  # the module's own loader still answers
@@ -60,8 +60,8 @@ def test_a_named_module_is_patched_after_it_executes_and_again_on_reload(isolate
 def test_two_finders_for_one_module_both_patch_in_turn(isolated_imports: Path) -> None:
     name = write_module(isolated_imports, "ORDER = []\n")
     sys.meta_path[:0] = [
-        ranks.PatchAfterImport({name}, lambda m: getattr(m, "ORDER").append("first")),
-        ranks.PatchAfterImport({name}, lambda m: getattr(m, "ORDER").append("second")),
+        spawn_hook.PatchAfterImport({name}, lambda m: getattr(m, "ORDER").append("first")),
+        spawn_hook.PatchAfterImport({name}, lambda m: getattr(m, "ORDER").append("second")),
     ]
     assert importlib.import_module(name).ORDER == ["second", "first"]  # the inner loader runs first
 
@@ -78,33 +78,33 @@ def test_a_failing_import_is_not_hidden_and_a_failing_patch_does_not_fail_the_im
         calls.append(module.__name__)
         raise RuntimeError("patch broke")
 
-    sys.meta_path.insert(0, ranks.PatchAfterImport({broken, fine, missing}, patch))
+    sys.meta_path.insert(0, spawn_hook.PatchAfterImport({broken, fine, missing}, patch))
     with pytest.raises(ImportError, match="needs grpc"):
         importlib.import_module(broken)
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(missing)
     assert calls == [] and broken not in sys.modules
-    with caplog.at_level(logging.WARNING, logger=ranks.__name__):
+    with caplog.at_level(logging.WARNING, logger=spawn_hook.__name__):
         assert importlib.import_module(fine).VALUE == 2
     assert calls == [fine]
     assert f"patching {fine} after its import failed" in caplog.text
 
 
 def test_covering_twice_installs_one_finder_and_never_raises(isolated_imports: Path) -> None:
-    ranks.cover_spawned_encoders()
-    ranks.cover_spawned_encoders()
-    finders = [f for f in sys.meta_path if isinstance(f, ranks.PatchAfterImport)]
+    spawn_hook.cover_spawned_encoders()
+    spawn_hook.cover_spawned_encoders()
+    finders = [f for f in sys.meta_path if isinstance(f, spawn_hook.PatchAfterImport)]
     assert len(finders) == 1
-    assert finders[0].modules == {ranks.RUNTIME_MODULE, ranks.GRPC_MODULE}
+    assert finders[0].modules == {spawn_hook.RUNTIME_MODULE, spawn_hook.GRPC_MODULE}
 
 
 def test_the_replacements_pickle_by_reference_to_mmkey() -> None:
-    for target in ranks.SPAWN_TARGETS:
+    for target in spawn_hook.SPAWN_TARGETS:
         data = pickle.dumps(target.replacement)
-        assert f"{ranks.__name__}".encode() in data and b"sglang.srt" not in data
+        assert f"{spawn_hook.__name__}".encode() in data and b"sglang.srt" not in data
         assert pickle.loads(data) is target.replacement
-    assert {(t.module, t.name) for t in ranks.SPAWN_TARGETS} == {
-        (ranks.RUNTIME_MODULE, "launch_encoder"),
-        (ranks.RUNTIME_MODULE, "launch_dp_worker"),
-        (ranks.GRPC_MODULE, "launch_encoder"),
+    assert {(t.module, t.name) for t in spawn_hook.SPAWN_TARGETS} == {
+        (spawn_hook.RUNTIME_MODULE, "launch_encoder"),
+        (spawn_hook.RUNTIME_MODULE, "launch_dp_worker"),
+        (spawn_hook.GRPC_MODULE, "launch_encoder"),
     }

@@ -1,0 +1,107 @@
+"""The connector's worker side: moves the tensors the scheduler side staged onto this
+worker's device, and saves new encoder outputs on a background thread within a byte budget
+(tensor-parallel rank 0 of a producer only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mmkey.cache.protocol import EmbeddingCache
+from mmkey.integrations._background_saver import BackgroundSaver, SaverCounts
+from mmkey.integrations._common import Counters
+from mmkey.integrations.vllm._metadata import MMKeyECMetadata
+
+__all__ = ["WorkerSide", "tensor_parallel_rank"]
+
+_SHUTDOWN_WAIT_S = 5.0
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank; 0 where vLLM's parallel state is not set up."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
+class WorkerSide:
+    """The worker hooks of `MMKeyECConnector` (see the connector). `save`: whether this
+    worker saves (a producer's worker); only tensor-parallel rank 0 of them does."""
+
+    def __init__(
+        self,
+        cache: EmbeddingCache,
+        max_pending_save_bytes: int,
+        *,
+        save: bool,
+        counts: Counters,
+        warn: Callable[[str, str], None],
+    ) -> None:
+        self._counts = counts
+        self._device: torch.device | None = None
+        self._saver: BackgroundSaver | None = None
+        if save and tensor_parallel_rank() == 0:
+            self._saver = BackgroundSaver(
+                cache,
+                max_pending_save_bytes,
+                on_failure=lambda message: warn("save", message),
+                name="mmkey-vllm-saver",
+            )
+
+    def _worker_device(self) -> torch.device:
+        if self._device is None:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cuda_alike():
+                self._device = torch.device(current_platform.device_type, torch.cuda.current_device())
+            else:
+                self._device = torch.device(current_platform.device_type)
+        return self._device
+
+    def start_load_caches(self, meta: MMKeyECMetadata | None, encoder_cache: dict[str, torch.Tensor]) -> None:
+        """Put this step's staged tensors into ``encoder_cache``, on this worker's device.
+
+        The copies are asynchronous where the device allows (the staged memory is pinned):
+        vLLM's next kernels on the stream wait for them.
+        """
+        if meta is None or not meta.loads:
+            return
+        device = self._worker_device()
+        loaded = 0
+        for item in meta.loads:
+            if item.identifier in encoder_cache:
+                continue
+            encoder_cache[item.identifier] = item.tensor.to(device, non_blocking=True)
+            loaded += 1
+        self._counts.add(loaded=loaded)
+
+    def save_caches(
+        self, meta: MMKeyECMetadata | None, encoder_cache: dict[str, torch.Tensor], mm_hash: str
+    ) -> None:
+        """Queue the new encoder output of `mm_hash` for a background save (see the connector)."""
+        if self._saver is None:
+            return
+        key = meta.saves.get(mm_hash) if meta is not None else None
+        tensor = encoder_cache.get(mm_hash)
+        if key is None or tensor is None:
+            self._counts.add(saves_dropped=1)
+            return
+        self._counts.add(saves=1)
+        self._saver.submit(key, tensor)  # the saver counts drops
+
+    def flush_saves(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until the queued saves are written; ``True`` when none is left."""
+        return self._saver.flush(timeout) if self._saver is not None else True
+
+    def saver_counts(self) -> SaverCounts | None:
+        """The saver's own counts (``None`` where this worker saves nothing)."""
+        return None if self._saver is None else self._saver.counts()
+
+    def close(self) -> None:
+        """Finish queued saves (up to 5 s)."""
+        if self._saver is not None:
+            self._saver.close(_SHUTDOWN_WAIT_S)
