@@ -15,9 +15,9 @@ starts a local master and one holder, and runs fresh engine processes (engine co
   as vLLM's disaggregation proxy does (the producer also gets the consumer's control address);
   the producer pushes each embedding into the consumer's registered memory over Mooncake's
   transfer engine (TCP, loopback). Timed on the consumer, from the moment both engines get the
-  requests. One request is tried first, with a bounded wait; on vLLM's CPU build the consumer
-  never loads what was pushed (its V1 model runner skips the connector on a step with no
-  tokens), and the row says so with the places in vLLM's code. Its store mode
+  requests. On the CPU build's V1 model runner a consumer whose requests all wait on pushes
+  never runs the connector that loads them (the note under the table says where), so a
+  text-only request decodes beside them until they are done. Its store mode
   (``cross_encoder_cache``) needs the V2 model runner, which vLLM does not pick without Triton.
 
 Workload, each in one engine (pair): 48 requests over 16 distinct images (each 3 times), one
@@ -141,7 +141,7 @@ def vllm_push_specs(base: dict[str, Any], rounds: list[list[dict[str, Any]]]) ->
         "ec_buffer_device": "cpu",
         "ec_buffer_size": 256 << 20,
         "ec_ip": "127.0.0.1",
-        "ec_connector_extra_config": {"mooncake_protocol": "tcp", "push_wait_timeout_s": 120},
+        "ec_connector_extra_config": {"mooncake_protocol": "tcp", "push_wait_timeout_s": 60},
     }
     producer_ec = dict(common, ec_role="ec_producer", ec_port=free_port())
     consumer_ec = dict(common, ec_role="ec_consumer", ec_port=consumer_port)
@@ -152,8 +152,10 @@ def vllm_push_specs(base: dict[str, Any], rounds: list[list[dict[str, Any]]]) ->
     ids = [[[f"r{k}-p{i}-m{j}" for j in range(len(p["images"]))] for i, p in enumerate(rnd)] for k, rnd in enumerate(rounds)]
     consumer_params = [[{"ec_items": [{"transfer_id": t} for t in req]} for req in rnd] for rnd in ids]
     producer_params = [[dict(p, consumer_zmq=consumer_zmq) for p in rnd] for rnd in consumer_params]
+    # the consumer's requests all wait on pushes at first: a text-only request keeps its steps
+    # busy, or vLLM's V1 model runner never runs the connector that loads them (see the note)
     return (dict(base, ec=producer_ec, round_params=producer_params, env=own_core),
-            dict(base, ec=consumer_ec, round_params=consumer_params, env=own_core))
+            dict(base, ec=consumer_ec, round_params=consumer_params, env=own_core, keepalive=True))
 
 
 def source_line(module: str, needle: str) -> str:
@@ -168,15 +170,16 @@ def source_line(module: str, needle: str) -> str:
     return f"{Path(inspect.getfile(loaded)).relative_to(Path(vllm.__file__).parent.parent)}:{line}"
 
 
-def vllm_modes_reason() -> str:
-    """Why vLLM's connector does not serve on this build, from vLLM's own code (file:line)."""
+def vllm_modes_note() -> str:
+    """What vLLM's connector needs on this build, from vLLM's own code (file:line)."""
     triton = importlib.util.find_spec("triton") is not None
     return (
         "push mode: the consumer defers each request until its push lands, so a step can schedule "
         "no token; vLLM's V1 model runner then returns before it runs the EC connector ("
         + source_line("vllm.v1.worker.gpu_model_runner", "if not num_scheduled_tokens:")
-        + "), so the load of a pushed embedding is never started and the request waits for "
-        "`push_wait_timeout_s`; the V2 runner runs the connector on such steps ("
+        + "), the load of a pushed embedding is never started and the request fails after "
+        "`push_wait_timeout_s`; here a text-only request decodes beside them (one token a step) "
+        "until they are done. The V2 runner runs the connector on such steps ("
         + source_line("vllm.v1.worker.gpu.model_runner", "return self._merge_ec_connector_no_forward(")
         + "). Store mode (`cross_encoder_cache`) is refused without the V2 runner ("
         + source_line("vllm.distributed.ec_transfer.ec_connector.mooncake.config", "requires Model Runner V2")
@@ -184,24 +187,6 @@ def vllm_modes_reason() -> str:
         + source_line("vllm.config.vllm", "Model Runner V2 requires Triton")
         + f"); Triton importable here: {triton}."
     )
-
-
-def vllm_push(workdir: Path, base: dict[str, Any], rounds: list[list[dict[str, Any]]],
-              reference: list[list[int]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """vLLM's connector in push mode: first one request (a bounded wait); the whole workload
-    only where that one was served. None where it was not."""
-    probe = [rounds[1]]
-    producer_spec, consumer_spec = vllm_push_specs(dict(base, rounds=probe), probe)
-    for spec in (producer_spec, consumer_spec):
-        spec["ec"]["ec_connector_extra_config"]["push_wait_timeout_s"] = 20
-    started = time.perf_counter()
-    _, consumer = run_pair(workdir, ("vllm-probe-producer", "vllm-probe-consumer"), (producer_spec, consumer_spec), 1)
-    served = [r["tokens"] for r in consumer["rounds"][0]] == reference
-    print(f"vLLM push probe: one request, consumer {'served' if served else 'not served'} "
-          f"after {consumer['round_seconds'][0]:.1f} s ({time.perf_counter() - started:.0f} s with both engines' start)")
-    if not served:
-        return None
-    return run_pair(workdir, ("vllm-producer", "vllm-consumer"), vllm_push_specs(base, rounds), len(rounds))
 
 
 def main() -> None:
@@ -232,9 +217,8 @@ def measure(workdir: Path) -> None:
         }
         warm = run(workdir, "warm", dict(base, ec=ec))  # another engine stores every image
         results["mmkey"] = run(workdir, "mmkey", dict(base, ec=ec))
-    pushed = vllm_push(workdir, base, rounds, [r["tokens"] for r in results["none"]["rounds"][1]])
-    if pushed is not None:
-        producer, results["vLLM push (E->PD)"] = pushed
+    producer, results["vLLM push (E->PD)"] = run_pair(
+        workdir, ("vllm-producer", "vllm-consumer"), vllm_push_specs(base, rounds), len(rounds))
     print(f"{DISTINCT * REPEATS} requests over {DISTINCT} images ({IMAGE} px, 256 image tokens each), "
           f"then {SINGLES} single requests; tower: CLIP hidden 256 x 6 layers; 2 shared cores\n")
     print("| connector | requests/s | time to first token (median of 8) | images the tower encoded |")
@@ -249,11 +233,9 @@ def measure(workdir: Path) -> None:
         if name.startswith("vLLM"):
             encoded = f"{encoded} (its producer: {producer['tower_images']})"
         print(f"| {name} | {rate:.1f} | {ttft:.1f} ms | {encoded} |")
-    if pushed is None:
-        print("| vLLM `ECMooncakeConnector` | does not serve on vLLM's CPU build (below) | | |")
     print(f"\n(the storing engine encoded {warm['tower_images']} images; outputs equal token for token; "
           "vLLM push: two engines on the same 2 cores, timed on the consumer from the moment both get the requests)")
-    print(f"vLLM's connector: {vllm_modes_reason()}")
+    print(f"vLLM's connector: {vllm_modes_note()}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,34 @@ def _connector(llm: Any) -> Any:
     return get_ec_transfer() if has_ec_transfer() else None
 
 
+def generate_kept_busy(llm: Any, inputs: list[dict[str, Any]], params: list[Any], tag: str) -> list[Any]:
+    """`inputs` generated beside a text-only request that keeps every engine step busy (one
+    decoded token a step), dropped once the others are done: an engine whose requests all wait
+    on the EC connector still runs its model runner. Outputs in the order of `inputs`."""
+    import importlib
+
+    SamplingParams = importlib.import_module("vllm").SamplingParams
+    engine = llm.llm_engine
+    ids = [f"{tag}-{i}" for i in range(len(inputs))]
+    for request_id, prompt, sampling in zip(ids, inputs, params):
+        engine.add_request(request_id, prompt, sampling)
+    busy = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
+    keepalive = 0
+    engine.add_request(f"{tag}-busy-{keepalive}", {"prompt": "describe the picture"}, busy)
+    done: dict[str, Any] = {}
+    while len(done) < len(ids):
+        for output in engine.step():
+            if output.request_id in ids and output.finished:
+                done[output.request_id] = output
+            elif output.request_id == f"{tag}-busy-{keepalive}" and output.finished:
+                keepalive += 1
+                engine.add_request(f"{tag}-busy-{keepalive}", {"prompt": "describe the picture"}, busy)
+    engine.abort_request([f"{tag}-busy-{keepalive}"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [done[request_id] for request_id in ids]
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm_engine_model import count_tower_calls  # importable by the engine's processes
 
@@ -112,7 +140,10 @@ def main(spec_path: str, out_path: str) -> None:
                 )
                 for i in range(len(prompts))
             ]
-            outputs = llm.generate(inputs, per, use_tqdm=False)
+            if spec.get("keepalive"):
+                outputs = generate_kept_busy(llm, inputs, per, f"round{k}")
+            else:
+                outputs = llm.generate(inputs, per, use_tqdm=False)
         else:
             outputs = llm.generate(inputs, params, use_tqdm=False)
         seconds.append(time.perf_counter() - started)
