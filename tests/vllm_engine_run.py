@@ -9,7 +9,10 @@ before generating (a test does something to the store in between). With ``"round
 (one list per round, one ``ec_transfer_params`` per prompt) each request carries its own
 transfer params. With ``"barrier_dir"`` set, the run writes ``<dir>/<name>.ready-<k>`` before
 round ``k`` and waits for ``<dir>/go-<k>``: two engines (a producer and its consumer) start each
-round together.
+round together. With ``"keepalive"`` set, a text-only request decodes beside each round's
+requests until they are done (an engine whose requests all wait on the EC connector still
+steps its model runner). ``python vllm_engine_run.py --serve`` runs one engine after another
+in one process, one ``SPEC.json OUT.json`` line of stdin each.
 """
 
 from __future__ import annotations
