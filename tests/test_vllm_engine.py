@@ -1,8 +1,10 @@
 """`MMKeyECConnector` inside a real vLLM engine (vLLM's CPU build), on a tiny random-weight LLaVA.
 
-Each engine runs in a fresh process (`vllm_engine_run`), against a real local Mooncake master
-and one holder process that holds every entry (the engines lend no memory, so entries outlive
-them). A run without the connector gives the reference tokens; runs with it must give the same
+Engines run against a real local Mooncake master and one holder process that holds every entry
+(the engines lend no memory, so entries outlive them). Engines whose core runs in-process run one
+after another in one host process that imports vLLM once (`vllm_engine_run --serve`); a run
+that needs a process of its own (the engine core in its own process, an engine paused while the
+master dies, two engines at once) gets a fresh one. A run without the connector gives the reference tokens; runs with it must give the same
 tokens, token for token, whatever the store does. ``make test-vllm`` runs these in the
 environment of ``scripts/vllm-engine-env.sh``; elsewhere they skip.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -71,22 +74,89 @@ def ec_config(fleet: Fleet, role: str = "ec_both", **extra: Any) -> dict[str, An
     }
 
 
+def engine_env(multiprocessing: str = "0") -> dict[str, str]:
+    return dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HUB_OFFLINE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        MC_LOG_LEVEL="ERROR",
+        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    )
+
+
+class EngineHost:
+    """One process that runs in-process engines one after another, vLLM imported once."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.log_path = workdir / "host.log"
+        self._log = open(self.log_path, "ab")
+        self._proc: subprocess.Popen[str] | None = None
+
+    def _process(self) -> subprocess.Popen[str]:
+        if self._proc is None or self._proc.poll() is not None:  # (re)start after a crash
+            self._proc = subprocess.Popen(
+                [sys.executable, str(RUN), "--serve"],
+                env=engine_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                text=True,
+            )
+        return self._proc
+
+    def run(self, tmp_path: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """Run one engine; its results and the log it wrote."""
+        spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+        spec_path.write_text(json.dumps(spec))
+        start = self.log_path.stat().st_size
+        proc = self._process()
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(f"{spec_path} {out_path}\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], ENGINE_TIMEOUT_S)
+        reply = proc.stdout.readline().strip() if ready else ""
+        if reply != "done":
+            self.close()
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            log = f.read().decode(errors="replace")
+        assert out_path.exists(), f"engine {name} gave no results ({reply or 'no reply'}):\n{log[-4000:]}"
+        result: dict[str, Any] = json.loads(out_path.read_text())
+        result["log"] = log
+        return result
+
+    def close(self) -> None:
+        if self._proc is not None:
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        self._log.close()
+        self._log = open(self.log_path, "ab")
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
+    made = EngineHost(tmp_path_factory.mktemp("engine-host"))
+    try:
+        yield made
+    finally:
+        made.close()
+
+
 def run_engine(
     tmp_path: Path, name: str, spec: dict[str, Any], *, background: bool = False
 ) -> dict[str, Any] | subprocess.Popen[bytes]:
     """Run one engine in a fresh process; its results (or the process, when `background`)."""
     spec_path = tmp_path / f"{name}.json"
     out_path = tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(
-        os.environ,
-        VLLM_TARGET_DEVICE="cpu",
-        HF_HUB_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING=spec.pop("multiprocessing", "0"),
-        VLLM_CPU_KVCACHE_SPACE="1",
-        MC_LOG_LEVEL="ERROR",
-        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    )
+    env = engine_env(spec.pop("multiprocessing", "0"))
     env.update(spec.pop("env", {}))
     spec_path.write_text(json.dumps(spec))
     log = open(tmp_path / f"{name}.log", "wb")
@@ -126,10 +196,9 @@ def assert_served(result: object, reference: list[list[int]], *, encoded: int, l
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+def reference(model_dir: Path, host: EngineHost, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """The tokens of a run without the connector."""
-    result = run_engine(tmp_path_factory.mktemp("ref"), "ref", {"model": str(model_dir), "ec": None, "prompts": PROMPTS})
-    assert isinstance(result, dict)
+    result = host.run(tmp_path_factory.mktemp("ref"), "ref", {"model": str(model_dir), "ec": None, "prompts": PROMPTS})
     assert result["tower_images"] == DISTINCT_IMAGES
     return tokens(result)
 
@@ -138,28 +207,39 @@ def fresh_namespace(tag: str) -> str:
     return f"tiny-llava-test-{tag}-{time.monotonic_ns()}"
 
 
-def test_a_second_engine_loads_every_image_and_never_runs_the_tower(
-    model_dir: Path, fleet: Fleet, reference: list[list[int]], tmp_path: Path
-) -> None:
-    ns = fresh_namespace("hits")
-    first = run_engine(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
-    assert isinstance(first, dict)
+@pytest.fixture(scope="module")
+def stored(
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
+    """One engine with the connector and no namespace given stored every image of `PROMPTS`
+    (its outputs equal the reference); the settings (``env``) the engines that read them share.
+
+    Read-only for the tests that use it: none faults these entries or the master."""
+    tmp = tmp_path_factory.mktemp("stored")
+    env = {"XDG_CACHE_HOME": str(tmp / "xdg")}  # the namespace's digest cache: this module's own
+    first = host.run(tmp, "first", {"model": str(model_dir), "ec": ec_config(fleet), "prompts": PROMPTS, "env": env})
     assert tokens(first) == reference
     assert first["tower_images"] == DISTINCT_IMAGES
     assert first["worker_totals"].get("saved", 0) == DISTINCT_IMAGES
-    second = run_engine(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    return env
+
+
+def test_a_second_engine_loads_every_image_and_never_runs_the_tower(
+    model_dir: Path, fleet: Fleet, host: EngineHost, stored: dict[str, str], reference: list[list[int]], tmp_path: Path
+) -> None:
+    second = host.run(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet), "prompts": PROMPTS, "env": stored})
     assert_served(second, reference, encoded=0, loaded=DISTINCT_IMAGES)
 
 
 def test_a_corrupted_entry_is_encoded_again_and_the_engine_survives(
-    model_dir: Path, fleet: Fleet, reference: list[list[int]], tmp_path: Path
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
     ns = fresh_namespace("corrupt")
-    first = run_engine(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
-    assert isinstance(first, dict) and tokens(first) == reference
+    first = host.run(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    assert tokens(first) == reference
     flipped = corrupt_one_entry(fleet, ns)
     assert flipped
-    second = run_engine(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    second = host.run(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
     assert_served(second, reference, encoded=1, loaded=DISTINCT_IMAGES - 1)  # only the corrupted one encoded
 
 
@@ -204,11 +284,18 @@ def _stored_keys(fleet: Fleet) -> list[str]:
 
 
 def test_the_master_killed_between_lookup_and_load_leaves_outputs_equal(
-    model_dir: Path, fleet: Fleet, reference: list[list[int]], tmp_path: Path
+    model_dir: Path, host: EngineHost, reference: list[list[int]], tmp_path: Path
+) -> None:
+    with running_fleet(holders=1, segment_size=64 << 20) as fleet:  # its own: this test kills the master
+        master_killed_between_lookup_and_load(model_dir, fleet, host, reference, tmp_path)
+
+
+def master_killed_between_lookup_and_load(
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
     ns = fresh_namespace("killed")
-    first = run_engine(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
-    assert isinstance(first, dict) and tokens(first) == reference
+    first = host.run(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    assert tokens(first) == reference
     pause = tmp_path / "go"
     proc = run_engine(
         tmp_path,
@@ -231,8 +318,8 @@ def test_the_master_killed_between_lookup_and_load_leaves_outputs_equal(
     assert second["tower_images"] == DISTINCT_IMAGES
 
 
-def test_counter_identifiers_are_refused_at_start(model_dir: Path, fleet: Fleet, tmp_path: Path) -> None:
-    result = run_engine(
+def test_counter_identifiers_are_refused_at_start(model_dir: Path, fleet: Fleet, host: EngineHost, tmp_path: Path) -> None:
+    result = host.run(
         tmp_path,
         "counters",
         {
@@ -248,7 +335,7 @@ def test_counter_identifiers_are_refused_at_start(model_dir: Path, fleet: Fleet,
 
 
 def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
-    model_dir: Path, fleet: Fleet, reference: list[list[int]], tmp_path: Path
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
     """An encode-only producer finishes its requests before their saves land; the consumer,
     started on the producer's ``ec_transfer_params`` at once, still loads every image."""
@@ -260,12 +347,12 @@ def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
         {"model": str(model_dir), "ec": ec_config(fleet, "ec_consumer", namespace=ns), "prompts": PROMPTS, "await_params": str(params)},
         background=True,
     )
-    producer = run_engine(
+    producer = host.run(
         tmp_path,
         "producer",
         {"model": str(model_dir), "ec": ec_config(fleet, "ec_producer", namespace=ns), "prompts": PROMPTS, "publish_params": str(params)},
     )
-    assert isinstance(producer, dict) and isinstance(consumer, subprocess.Popen)
+    assert isinstance(consumer, subprocess.Popen)
     assert "start_error" not in producer, producer["start_error"]
     announced = [p for p in json.loads(params.read_text()) if p]
     assert announced and all(p["mmkey"]["encoded"] for p in announced)
@@ -274,41 +361,32 @@ def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
 
 
 def test_the_same_checkpoint_at_another_path_shares_entries(
-    model_dir: Path, fleet: Fleet, reference: list[list[int]], tmp_path: Path
+    model_dir: Path, fleet: Fleet, host: EngineHost, stored: dict[str, str], reference: list[list[int]], tmp_path: Path
 ) -> None:
     """No namespace given: the connector names the model by its contents, not its path."""
     import shutil
 
     elsewhere = tmp_path / "mounted-elsewhere" / "llava-copy"
     shutil.copytree(model_dir, elsewhere)
-    cache_home = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    # a fresh prompt set: its images are stored under no namespace yet
-    prompts = [{"text": "USER: <image> what is in this image", "images": [11]}, {"text": "<image> describe", "images": [12]}]
-    first = run_engine(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet), "prompts": prompts, "env": cache_home})
-    assert isinstance(first, dict)
-    assert first["tower_images"] == 2 and first["worker_totals"].get("saved", 0) == 2
-    second = run_engine(tmp_path, "second", {"model": str(elsewhere), "ec": ec_config(fleet), "prompts": prompts, "env": cache_home})
-    assert isinstance(second, dict)
-    assert tokens(second) == tokens(first)
+    second = host.run(tmp_path, "second", {"model": str(elsewhere), "ec": ec_config(fleet), "prompts": PROMPTS, "env": stored})
+    assert tokens(second) == reference
     assert second["tower_images"] == 0
 
 
 def test_with_the_engine_core_in_its_own_process_outputs_are_equal_and_hits_load(
-    model_dir: Path, fleet: Fleet, reference: list[list[int]], tmp_path: Path
+    model_dir: Path, fleet: Fleet, stored: dict[str, str], reference: list[list[int]], tmp_path: Path
 ) -> None:
     """vLLM's default: the engine core (scheduler and worker) in a process of its own."""
-    ns = fresh_namespace("mp")
-    first = run_engine(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
-    assert isinstance(first, dict) and tokens(first) == reference
     second = run_engine(
         tmp_path,
         "second",
         {
             "model": str(model_dir),
-            "ec": ec_config(fleet, namespace=ns),
+            "ec": ec_config(fleet),
             "prompts": PROMPTS,
             "multiprocessing": "1",
-            "env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # the tower-counting hook travels
+            # the tower-counting hook travels
+            "env": dict(stored, VLLM_ALLOW_INSECURE_SERIALIZATION="1"),
         },
     )
     assert isinstance(second, dict)
