@@ -18,7 +18,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test check docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
+.PHONY: demo test check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -72,8 +72,12 @@ stubtest: $(VENV)/.dev
 PYTEST_WORKERS ?= 4
 PYTEST := MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR $(BIN)/python -m pytest
 
-pytest: $(VENV)/.dev
+pytest: pytest-parallel pytest-serial
+
+pytest-parallel: $(VENV)/.dev
 	$(PYTEST) -n $(PYTEST_WORKERS) --dist worksteal -m "not serial"
+
+pytest-serial: $(VENV)/.dev
 	$(PYTEST) -m serial; status=$$?; [ $$status -eq 0 ] || [ $$status -eq 5 ]
 
 # the tests that need no Mooncake master, no holder and no stack environment
@@ -114,22 +118,31 @@ $(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requi
 
 # vLLM 0.33 (the connector against its wheel), then vLLM 0.32's CPU build: the same tests
 # plus real engines
-test-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
+test-vllm: test-vllm-wheel test-vllm-engine
+
+test-vllm-wheel: $(VLLM_VENV)/.ready
 	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
+
+test-vllm-engine: $(VLLM_ENGINE_VENV)/.ready
 	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
 	    $(VLLM_TESTS) tests/test_vllm_engine.py
 
-# Every check. The dev environment first (it installs the system packages once); then four
-# lanes at once, each printing its output when it ends: the pytest suite (mostly waiting on
-# processes and deadlines), the static checks (CPU), and each stack's environment (pip, then
-# its tests).
-# the four lanes one after another: on 2 cores, running them at once crowded the timing of
-# the Mooncake tests (TEST_LANES=4 runs them side by side on a bigger machine)
-TEST_LANES ?= 1
+# Every check, in three steps. The dev environment first (it installs the system packages
+# once). Then, side by side (each lane printing its output when it ends): the pytest suite on
+# four workers (it mostly waits on masters, holders and timeouts), the static checks (CPU) and
+# the stack environments (pip from local wheels). Then the stacks' tests side by side. Last,
+# alone, the `serial` tests (a whole host's load, holders paused and killed): crowded by the
+# other lanes, a paused-holder fleet test lost its healthy holder's entries too.
+# TEST_LANES=1 runs every lane one after another.
+TEST_LANES ?= 3
 # every lane with CI's hypothesis profile (derandomized: the same verdict on every run)
 test: export HYPOTHESIS_PROFILE ?= ci
 test: $(VENV)/.dev
-	$(MAKE) --no-print-directory -j$(TEST_LANES) -O pytest static-checks test-vllm test-sglang
+	$(MAKE) --no-print-directory -j$(TEST_LANES) -O pytest-parallel static-checks stack-envs
+	$(MAKE) --no-print-directory -j$(TEST_LANES) -O test-vllm-wheel test-vllm-engine test-sglang
+	$(MAKE) --no-print-directory pytest-serial
+
+stack-envs: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready $(SGLANG_VENV)/.ready
 
 # each lane runs its steps one after another (a line each), sharing make's job slots
 static-checks: $(VENV)/.dev
