@@ -43,7 +43,7 @@ def adapter_types(config: MooncakeConfig, key: EmbeddingKey, t: torch.Tensor, h:
     cache.insert_batch([key], [t.numpy()])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
     MooncakeCache("127.0.0.1:50051")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     MooncakeConfig("127.0.0.1:50051")  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
-    config.deadline = 1.0  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
+    config.timeout = 1.0  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
     del as_protocol
 
 

@@ -2,7 +2,8 @@
 
 The facade (`MooncakeCache`, in ``_cache``) loads on first use of its name, so importing
 this package for `MooncakeConfig` starts no transport thread and registers no exit hook.
-Inside: ``config`` (the frozen configuration and Mooncake's variables), ``_transport``
+Inside: ``_reads`` and ``_writes`` (the facade's read scheduling and write pipelines),
+``config`` (the frozen configuration and Mooncake's variables), ``_transport``
 (binding calls on worker threads, within a timeout, behind a breaker), ``_staging``
 (registered buffers), ``_quarantine`` and ``_ping`` (unreachable holders, the master's
 liveness), ``_replicas`` (where the master says a key is), ``_master_http`` (the master's
