@@ -16,16 +16,16 @@ Which transfers a read makes is `mmkey.cache.mooncake._reads`; how entries are w
 from __future__ import annotations
 
 import functools
-import logging
 import time
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from mmkey._log import Counters, RateLimitedLog
+from mmkey._log import Counters
 from mmkey._tensors import nbytes_of
 from mmkey.cache._guard import insert_args, key_texts
 from mmkey.cache.health import CacheHealth
+from mmkey.cache.mooncake._parts import LOG, CacheParts
 from mmkey.cache.mooncake._reads import Reader
 from mmkey.cache.mooncake._transport import RPC_FAILURES, StoreTransport
 from mmkey.cache.mooncake._writes import Writer
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MooncakeCache", "MooncakeConfig"]
 
-_LOG = logging.getLogger("mmkey.cache.mooncake")
-_LOG_EVERY_S = 10.0
 _INSTALL_HINT = (
     "install the binding: pip install 'mmkey[mooncake-cpu]' on CPU machines (plus Debian's "
     "libibverbs1 libnuma1 libcurl4) or 'mmkey[mooncake]' on GPU machines"
@@ -113,14 +111,12 @@ class MooncakeCache:
         self._keyring = keyring_for_cache(keyring, "MooncakeCache", shared=True)
         self._counts = Counters()
         self._closed = False
-        self._skips = RateLimitedLog(
-            _LOG, logging.WARNING, "Mooncake calls answered as misses without the store: %s%s", period=_LOG_EVERY_S
-        )
         self._transport = StoreTransport(
             config, store_class, functools.partial(self._counts.add, errors=1), self._skipped_by_breaker
         )
-        self._reader = Reader(self._transport, config, self._counts, self._skips, self._keyring)
-        self._writer = Writer(self._transport, config, self._counts, self._skips, self._keyring)
+        self._parts = CacheParts(self._transport, config, self._keyring, self._counts)
+        self._reader = Reader(self._parts)
+        self._writer = Writer(self._parts)
         self._told_untrusted = False
         give_up = time.monotonic() + config.setup_timeout
         self._warm_codec()
@@ -237,7 +233,7 @@ class MooncakeCache:
         if not self._config.trusted_network:
             if not self._told_untrusted:
                 self._told_untrusted = True
-                _LOG.info(
+                LOG.info(
                     "register_memory: not registered (trusted_network is off: registered "
                     "memory is writable from the network); puts go through staging"
                 )
@@ -368,8 +364,7 @@ class MooncakeCache:
         return time.monotonic() + self._config.timeout
 
     def _skipped_by_breaker(self) -> None:
-        self._counts.add(skipped=1)
-        self._skips.note("master unreachable (breaker open)")
+        self._parts.skipped("master unreachable (breaker open)")
 
     def _decode_into(self, found: dict[str, torch.Tensor], text: str, raw: memoryview) -> bool:
         """A read sink (`_reads.Sink`) that decodes into `found`: a private copy of exactly

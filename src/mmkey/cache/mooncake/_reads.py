@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mmkey._deadline import CallTimeout
-from mmkey._log import Counters, RateLimitedLog
+from mmkey._log import RateLimitedLog
 from mmkey._tensors import byte_view
+from mmkey.cache.mooncake._parts import LOG, LOG_EVERY_S, CacheParts
 from mmkey.cache.mooncake._replicas import memory_endpoints
 from mmkey.cache.mooncake._staging import Staging, aligned, registered
 from mmkey.cache.mooncake._transport import (
@@ -26,18 +27,14 @@ from mmkey.cache.mooncake._transport import (
     TRANSFER_FAILURES,
     Lane,
     Pending,
-    StoreTransport,
     TransferFailed,
     out_of_time,
 )
-from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.errors import CorruptEntry, ForgedEntry, StoreError
 
 if TYPE_CHECKING:
     import torch
     from mooncake.store import MooncakeDistributedStore, ReplicaDescriptor
-
-    from mmkey.entry.auth import EntryKeyring
 
 __all__ = ["Bounds", "Reader", "Sink"]
 
@@ -50,8 +47,6 @@ _UNKNOWN = ""
 """The holder group of keys read before any failure, without looking their holders up."""
 _GROUPED_S = 60.0
 """How long after a failed transfer reads look up each key's holder first."""
-_LOG = logging.getLogger("mmkey.cache.mooncake")
-_LOG_EVERY_S = 10.0
 
 
 def _release(staging: Staging, _: object) -> None:
@@ -68,35 +63,24 @@ def _read_from(replicas: Sequence[ReplicaDescriptor]) -> str | None:
 class Reader:
     """Schedules the reads of one `MooncakeCache` over its transport.
 
-    Counts into the cache's `counts` (``oversized``, ``corrupt``, ``forged``, ``skipped``,
-    ``errors``) and notes calls answered without the store in `skips`.
+    Counts into the cache's counters (``oversized``, ``corrupt``, ``forged``, ``skipped``,
+    ``errors``).
     """
 
-    def __init__(
-        self,
-        transport: StoreTransport,
-        config: MooncakeConfig,
-        counts: Counters,
-        skips: RateLimitedLog,
-        keyring: EntryKeyring | None,
-    ) -> None:
-        self._transport = transport
-        self._config = config
-        self._counts = counts
-        self._skips = skips
-        self._keyring = keyring
+    def __init__(self, parts: CacheParts) -> None:
+        self._parts = parts
         self._refusals = RateLimitedLog(
-            _LOG, logging.WARNING, "Mooncake entries that did not verify, served as misses: %s%s", period=_LOG_EVERY_S
+            LOG, logging.WARNING, "Mooncake entries that did not verify, served as misses: %s%s", period=LOG_EVERY_S
         )
         self._grouped_until = 0.0  # reads look holders up until then (after a failure)
 
     def refused(self, exc: CorruptEntry) -> None:
         """Count and (rate-limited) log an entry that did not verify."""
         if isinstance(exc, ForgedEntry):
-            self._counts.add(forged=1, **{exc.reason: 1})
+            self._parts.counts.add(forged=1, **{exc.reason: 1})
             self._refusals.note(f"forged ({exc.reason})")
         else:
-            self._counts.add(corrupt=1)
+            self._parts.counts.add(corrupt=1)
             self._refusals.note("corrupt or not the expected shape")
 
     def read(self, texts: list[str], give_up: float, sink: Sink, bound: Bounds) -> None:
@@ -121,13 +105,13 @@ class Reader:
         concurrent transfers from one holder, were both slower (each call costs milliseconds,
         and verification competes with the transfer for the same cores).
         """
-        quarantine = self._transport.quarantine
+        quarantine = self._parts.transport.quarantine
         if quarantine or time.monotonic() < self._grouped_until:
             grouped = self._group_by_holder(texts, give_up)
             if grouped is None:
                 return
             groups = grouped
-        elif self._transport.ready(give_up):  # the breaker, and the master if a call failed
+        elif self._parts.transport.ready(give_up):  # the breaker, and the master if a call failed
             groups = {_UNKNOWN: list(texts)}
         else:
             return
@@ -140,7 +124,7 @@ class Reader:
             for endpoint in [e for e in groups if e not in moving]:
                 if time.monotonic() >= give_up:
                     return
-                lane = self._transport.pick_lane(taken)
+                lane = self._parts.transport.pick_lane(taken)
                 if lane is None:
                     return
                 pending = groups.pop(endpoint)
@@ -153,16 +137,15 @@ class Reader:
                 work = functools.partial(
                     _transfer_on_worker, chunk=chunk, slot=slot, give_up=give_up
                 )
-                inflight.append((endpoint, chunk, slot, self._transport.submit(lane, work)))
+                inflight.append((endpoint, chunk, slot, self._parts.transport.submit(lane, work)))
 
         submit_more()
         if groups and not inflight and time.monotonic() < give_up:
-            self._counts.add(skipped=1)
-            self._skips.note("every transfer lane stuck")
+            self._parts.skipped("every transfer lane stuck")
         while inflight:
             endpoint, chunk, slot, pending_transfer = inflight.popleft()
             lane = pending_transfer.lane
-            outcome = self._transport.finish(
+            outcome = self._parts.transport.finish(
                 pending_transfer, give_up, abandoned=functools.partial(_release, lane.staging)
             )
             if isinstance(outcome, BaseException):
@@ -172,19 +155,19 @@ class Reader:
             failed = self._decode_chunk(
                 sink, lane, chunk, slot, outcome, too_big.setdefault(endpoint, []), bound
             )
-            taken.discard(self._transport.lanes.index(lane))
+            taken.discard(self._parts.transport.lanes.index(lane))
             if failed:
                 self._holder_failed(endpoint, failed, TransferFailed("transfer failed"))
                 groups.pop(endpoint, None)
             submit_more()
         for endpoint, large in too_big.items():
-            large_lane = self._transport.pick_lane(set())
+            large_lane = self._parts.transport.pick_lane(set())
             if not large or large_lane is None or time.monotonic() >= give_up:
                 continue
             work_large = functools.partial(
                 self._read_large_on_worker, texts=large, give_up=give_up, bound=bound
             )
-            got = self._transport.finish(self._transport.submit(large_lane, work_large), give_up)
+            got = self._parts.transport.finish(self._parts.transport.submit(large_lane, work_large), give_up)
             if isinstance(got, BaseException):
                 self._holder_failed(endpoint, large, got)
                 continue
@@ -200,17 +183,17 @@ class Reader:
     def _oversized(self, text: str, size: int, bound: int) -> None:
         """Count (and log, rate-limited) an entry left unread for being larger than its
         reader can use: under a keyring it is forged (no genuine entry is that large)."""
-        self._counts.add(oversized=1)
+        self._parts.counts.add(oversized=1)
         message = f"entry for key {text[:120]!r} has {size} bytes, more than the {bound} read"
-        self.refused(ForgedEntry(message) if self._keyring is not None else CorruptEntry(message))
+        self.refused(ForgedEntry(message) if self._parts.keyring is not None else CorruptEntry(message))
 
     def _group_by_holder(self, texts: list[str], give_up: float) -> dict[str, list[str]] | None:
         """The keys by the holder a read of each goes to, leaving out keys the master does not
         hold and keys bound for a quarantined holder; ``None`` if the master did not answer."""
-        placed = self._transport.meta(lambda store: store.batch_get_replica_desc(texts), give_up)
+        placed = self._parts.transport.meta(lambda store: store.batch_get_replica_desc(texts), give_up)
         if placed is None:
             return None
-        quarantine = self._transport.quarantine
+        quarantine = self._parts.transport.quarantine
         groups: dict[str, list[str]] = {}
         bound_for_quarantine = 0
         for text in texts:
@@ -223,8 +206,7 @@ class Reader:
                 continue
             groups.setdefault(endpoint, []).append(text)
         if bound_for_quarantine:
-            self._counts.add(skipped=1)
-            self._skips.note("holder quarantined")
+            self._parts.skipped("holder quarantined")
         if quarantine:
             self._probe_quarantined()
         return groups
@@ -277,21 +259,21 @@ class Reader:
         failed_at = time.monotonic()
 
         def attribute(store: MooncakeDistributedStore) -> None:
-            left = failed_at + self._config.timeout - time.monotonic()
-            if left <= 0 or not self._transport.master_answers(left):
+            left = failed_at + self._parts.config.timeout - time.monotonic()
+            if left <= 0 or not self._parts.transport.master_answers(left):
                 return  # stale (the store may have changed since), or the master is what failed
             placed = store.batch_get_replica_desc(keys)
-            if time.monotonic() - failed_at > self._config.timeout:
+            if time.monotonic() - failed_at > self._parts.config.timeout:
                 return
             holders = {_read_from(placed.get(k, ())) for k in keys} - {None}
             if len(holders) == 1:
                 self._quarantine(holders.pop() or "", keys, why)
 
-        self._transport.background(attribute)
+        self._parts.transport.background(attribute)
 
     def _quarantine(self, endpoint: str, keys: list[str], why: BaseException) -> None:
-        if self._transport.quarantine.add(endpoint, keys):
-            _LOG.warning(
+        if self._parts.transport.quarantine.add(endpoint, keys):
+            LOG.warning(
                 "Mooncake holder %s quarantined: a transfer %s; reads bound for it are misses "
                 "until it answers again or the master drops it",
                 endpoint,
@@ -299,11 +281,11 @@ class Reader:
             )
 
     def _probe_quarantined(self) -> None:
-        for endpoint, keys in self._transport.quarantine.due_probes():
+        for endpoint, keys in self._parts.transport.quarantine.due_probes():
             probe = functools.partial(
-                _probe_on_worker, endpoint=endpoint, keys=keys, limit=self._config.max_entry_size
+                _probe_on_worker, endpoint=endpoint, keys=keys, limit=self._parts.config.max_entry_size
             )
-            self._transport.probe(probe, endpoint)
+            self._parts.transport.probe(probe, endpoint)
 
     def _read_large_on_worker(
         self,
@@ -335,7 +317,7 @@ class Reader:
             try:
                 buf = torch.empty(size, dtype=torch.uint8)
             except (MemoryError, RuntimeError):  # a huge foreign value: a miss, counted
-                self._counts.add(errors=1)
+                self._parts.counts.add(errors=1)
                 continue
             with registered(store, buf) as ptr:
                 got = store.get_into(text, ptr, size)
@@ -383,7 +365,7 @@ def _probe_on_worker(
     placed = store.batch_get_replica_desc(keys)
     listed = [k for k in keys if endpoint in memory_endpoints(placed.get(k, ()))]
     if not listed:
-        _LOG.warning("Mooncake holder %s re-admitted: the master no longer lists it", endpoint)
+        LOG.warning("Mooncake holder %s re-admitted: the master no longer lists it", endpoint)
         return True
     size = store.get_size(listed[0])
     if size <= 0 or size > limit:
@@ -392,5 +374,5 @@ def _probe_on_worker(
     with registered(store, buf) as ptr:
         healthy = store.get_into(listed[0], ptr, size) == size
     if healthy:
-        _LOG.warning("Mooncake holder %s re-admitted: it answers again", endpoint)
+        LOG.warning("Mooncake holder %s re-admitted: it answers again", endpoint)
     return healthy

@@ -17,19 +17,16 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from mmkey._log import Counters, RateLimitedLog
 from mmkey._tensors import byte_view, host_ready, nbytes_of
+from mmkey.cache.mooncake._parts import CacheParts
 from mmkey.cache.mooncake._staging import Staging, aligned, registered, stage_entry
-from mmkey.cache.mooncake._transport import RPC_FAILURES, Pending, StoreTransport, out_of_time
-from mmkey.cache.mooncake.config import MooncakeConfig
+from mmkey.cache.mooncake._transport import RPC_FAILURES, Pending, out_of_time
 from mmkey.entry.codec import encode_entry_into, entry_header, entry_size
 from mmkey.errors import StoreError
 
 if TYPE_CHECKING:
     import torch
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-
-    from mmkey.entry.auth import EntryKeyring
 
 __all__ = ["Writer"]
 
@@ -53,32 +50,17 @@ def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, l
 
 
 class Writer:
-    """Runs the writes of one `MooncakeCache` over its transport.
+    """Runs the writes of one `MooncakeCache` over its transport."""
 
-    Counts calls answered without the store into `counts` (``skipped``) and notes them
-    in `skips`.
-    """
-
-    def __init__(
-        self,
-        transport: StoreTransport,
-        config: MooncakeConfig,
-        counts: Counters,
-        skips: RateLimitedLog,
-        keyring: EntryKeyring | None,
-    ) -> None:
-        self._transport = transport
-        self._config = config
-        self._counts = counts
-        self._skips = skips
-        self._keyring = keyring
+    def __init__(self, parts: CacheParts) -> None:
+        self._parts = parts
         self._replicas: ReplicateConfig | None = None  # made on first write
 
     def write(
         self, texts: list[str], tensors: list[torch.Tensor], give_up: float
     ) -> dict[str, bool]:
         """Upsert entries through the staging buffer on the worker, within one timeout."""
-        keyring = self._keyring
+        keyring = self._parts.keyring
         sizes = [entry_size(text, t, keyring=keyring) for text, t in zip(texts, tensors)]
         ready = host_ready(tensors)  # CUDA tensors: an event on the caller's current stream
         # The worker reads the caller's tensors only while holding `reading`, and never
@@ -129,14 +111,13 @@ class Writer:
             return stored
 
         try:
-            if not self._transport.ready(give_up):
+            if not self._parts.transport.ready(give_up):
                 return {}
-            lane = self._transport.pick_lane(set())
+            lane = self._parts.transport.pick_lane(set())
             if lane is None:
-                self._counts.add(skipped=1)
-                self._skips.note("every transfer lane stuck")
+                self._parts.skipped("every transfer lane stuck")
                 return {}
-            outcome = self._transport.finish(self._transport.submit(lane, write), give_up)
+            outcome = self._parts.transport.finish(self._parts.transport.submit(lane, write), give_up)
             return {} if isinstance(outcome, BaseException) else outcome
         finally:
             # Flag first, then wait out the entry being staged right now, if any: a lane that
@@ -155,7 +136,7 @@ class Writer:
         staged: dict[str, list[torch.Tensor]] = {}
         for text, runs in latest.items():
             in_place = all(
-                self._transport.region_of(t.data_ptr(), nbytes_of(t)) is not None
+                self._parts.transport.region_of(t.data_ptr(), nbytes_of(t)) is not None
                 for t in runs
                 if nbytes_of(t)
             )
@@ -163,7 +144,7 @@ class Writer:
         stored: dict[str, bool] = {}
         if direct:
             texts = list(direct)
-            transport = self._transport
+            transport = self._parts.transport
 
             def look(store: MooncakeDistributedStore) -> tuple[bool, list[int]]:
                 return transport.register_regions(store), store.batch_is_exist(texts)
@@ -193,35 +174,34 @@ class Writer:
         caller's registered memory), one chunk at a time: the caller's thread seals the next
         chunk while a lane moves the one before."""
         stored: dict[str, bool] = {}
-        if not payloads or not self._transport.ready(give_up):
+        if not payloads or not self._parts.transport.ready(give_up):
             return stored
         taken: set[int] = set()
         inflight: deque[Pending[dict[str, bool]]] = deque()
 
         def drain_one() -> None:
             pending = inflight.popleft()
-            outcome = self._transport.finish(pending, give_up)
+            outcome = self._parts.transport.finish(pending, give_up)
             if not isinstance(outcome, BaseException):
                 stored.update(outcome)
-                taken.discard(self._transport.lanes.index(pending.lane))
+                taken.discard(self._parts.transport.lanes.index(pending.lane))
 
         for chunk in _put_chunks(payloads):
             if time.monotonic() >= give_up:
                 break
             headers = {
-                text: entry_header(text, runs, keyring=self._keyring) for text, runs in chunk.items()
+                text: entry_header(text, runs, keyring=self._parts.keyring) for text, runs in chunk.items()
             }
             while inflight:  # one put at a time: this chunk was sealed while the last moved
                 drain_one()
-            lane = self._transport.pick_lane(taken)
+            lane = self._parts.transport.pick_lane(taken)
             if lane is None:
-                self._counts.add(skipped=1)
-                self._skips.note("every transfer lane stuck")
+                self._parts.skipped("every transfer lane stuck")
                 break
             work = functools.partial(
                 self._put_direct_on_worker, headers=headers, payloads=chunk, give_up=give_up
             )
-            inflight.append(self._transport.submit(lane, work))
+            inflight.append(self._parts.transport.submit(lane, work))
         while inflight:
             drain_one()
         return stored
@@ -260,7 +240,7 @@ class Writer:
     def _placed(self, write: Callable[..., list[int]], *args: object) -> list[int]:
         """`write(*args)` (a batch write of the binding) with `config.replica_num` copies
         (Mooncake's default placement for one); `StoreError` if the master did not answer."""
-        if self._config.replica_num == 1:
+        if self._parts.config.replica_num == 1:
             codes = write(*args)
         else:
             codes = write(*args, self._replicate())
@@ -275,7 +255,7 @@ class Writer:
             from mooncake.store import ReplicateConfig
 
             replicas = ReplicateConfig()
-            replicas.replica_num = self._config.replica_num
+            replicas.replica_num = self._parts.config.replica_num
             self._replicas = replicas
         return self._replicas
 
@@ -303,7 +283,7 @@ class Writer:
         buf = torch.empty(size, dtype=torch.uint8)
         encode(byte_view(buf, writable=True), text, tensor)
         with registered(store, buf) as ptr:
-            if self._config.replica_num == 1:
+            if self._parts.config.replica_num == 1:
                 code = store.upsert_from(text, ptr, size)
             else:
                 code = store.upsert_from(text, ptr, size, self._replicate())
