@@ -19,7 +19,7 @@ times each operation both ways (best of N) and prints the ratio adapter / raw:
   cost of ``replica_num=2`` on writes.
 - The fixed cost of one call (``batch_is_exist`` of one key, adapter minus raw, in µs).
 - Inserts on a busy host (`mmkey.testing.busy_host`: one process faulting in fresh memory,
-  one writing and syncing a file): per staging size, a fresh cache (0.5 s deadline, 512 MiB
+  one writing and syncing a file): per staging size, a fresh cache (0.5 s timeout, 512 MiB
   segment) inserting 256 x 64 KiB twice beside the raw ``put_batch`` of the same bytes; then
   24 interleaved rounds on one cache, with how far any call ran past its deadline.
 - The freeze of a healthy ``close()`` (Mooncake's close holds the GIL): the longest gap of a
@@ -114,7 +114,7 @@ def main() -> None:
             master_server_address=master.address,
             global_segment_size=0,
             local_buffer_size=256 * MiB,
-            deadline=10.0,
+            timeout=10.0,
         )
         cache = MooncakeCache(config, keyring=None)
         signed = MooncakeCache(
@@ -233,8 +233,8 @@ def fleet_table() -> None:
     with running_fleet(2, segment_size=512 * MiB) as fleet:
         raw = MooncakeDistributedStore()
         assert raw.setup(*fleet.client_config(local_buffer_size=64 * MiB).setup_args()) == 0
-        writer = MooncakeCache(fleet.client_config(deadline=30.0), keyring=None)
-        reader = MooncakeCache(fleet.client_config(deadline=0.5), keyring=None)
+        writer = MooncakeCache(fleet.client_config(timeout=30.0), keyring=None)
+        reader = MooncakeCache(fleet.client_config(timeout=0.5), keyring=None)
         try:
             assert writer.insert_batch(keys, tensors) == [True] * count
             for k, t in zip(raw_keys, tensors, strict=True):
@@ -279,8 +279,8 @@ def fleet_table() -> None:
             writer.close()
             raw.close()
     with running_fleet(2, segment_size=512 * MiB) as fleet:
-        one = MooncakeCache(fleet.client_config(deadline=30.0), keyring=None)
-        two = MooncakeCache(fleet.client_config(deadline=30.0, replica_num=2), keyring=None)
+        one = MooncakeCache(fleet.client_config(timeout=30.0), keyring=None)
+        two = MooncakeCache(fleet.client_config(timeout=30.0, replica_num=2), keyring=None)
         try:
             t_one, t_two = best_interleaved(
                 lambda: one.insert_batch(keys, tensors), lambda: two.insert_batch(keys, tensors)
@@ -342,7 +342,7 @@ def load_table() -> None:
 
     tensors = [torch.randn(16 * 1024) for _ in range(256)]  # 64 KiB each
     blobs = [t.numpy().tobytes() for t in tensors]
-    deadline = 0.5
+    timeout = 0.5
     print(
         f"\n{'busy host: 256 x 64 KiB inserts (stored, ms)':46} "
         f"{'first':>13} {'second':>13} {'raw put_batch':>14}"
@@ -354,7 +354,7 @@ def load_table() -> None:
         try:
             for n, size in enumerate((4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB)):
                 config = MooncakeConfig(
-                    master_server_address=master.address, local_buffer_size=size, deadline=deadline
+                    master_server_address=master.address, local_buffer_size=size, timeout=timeout
                 )
                 start = time.perf_counter()
                 cache = MooncakeCache(config, keyring=None)
@@ -378,7 +378,7 @@ def load_table() -> None:
                 t_raw = time.perf_counter() - start
                 label = f"staging {size // MiB} MiB (built in {built_s * 1e3:.0f} ms)"
                 print(f"{label:46} {cells[0]:>13} {cells[1]:>13} {t_raw * 1e3:14.0f}")
-            config = MooncakeConfig(master_server_address=master.address, deadline=deadline)
+            config = MooncakeConfig(master_server_address=master.address, timeout=timeout)
             with MooncakeCache(config, keyring=None) as cache:
                 ours: list[float] = []
                 theirs: list[float] = []
@@ -395,7 +395,7 @@ def load_table() -> None:
                     raw.remove_all()
                 ours.sort()
                 theirs.sort()
-                over = max(0.0, ours[-1] - deadline)
+                over = max(0.0, ours[-1] - timeout)
                 print(f"\n{'24 rounds on one cache (ms)':46} {'median':>9} {'p90':>9} {'max':>9}")
                 print(
                     f"{'raw put_batch':46} {theirs[12] * 1e3:9.1f} "
@@ -411,7 +411,7 @@ def load_table() -> None:
                 )
                 # a deadline most inserts miss (4 MiB staging: five transfers), retried at once
                 short = MooncakeConfig(master_server_address=master.address, local_buffer_size=4 * MiB,
-                                       deadline=0.02, retry_after=0.001)
+                                       timeout=0.02, retry_after=0.001)
                 with MooncakeCache(short, keyring=None) as tight:
                     late = []
                     for n in range(24):
@@ -419,11 +419,11 @@ def load_table() -> None:
                                                         [mm_hash(i) for i in range(256)])
                         start = time.perf_counter()
                         if not all(tight.insert_batch(keys, tensors)):
-                            late.append(time.perf_counter() - start - short.deadline)
+                            late.append(time.perf_counter() - start - short.timeout)
                         time.sleep(0.01)
                     late.sort()
                     if late:
-                        label = f"  20 ms deadline, {len(late)}/24 missed: past it, median / max"
+                        label = f"  20 ms timeout, {len(late)}/24 missed: past it, median / max"
                         print(f"{label:46} {late[len(late) // 2] * 1e3:9.1f} {late[-1] * 1e3:9.1f} ms")
         finally:
             raw.close()

@@ -10,7 +10,7 @@ lane thread took meanwhile), the binding's ``batch_upsert_from``, and the hop ba
 done to caller awake), with the entries stored; also the caller's own phases (argument
 checks, breaker and master ping, time after the wait) and garbage collections.
 
-Measured 2026-12-01 (2 shared cores, 0.5 s deadline). Before: 0/256 stored in 8 of 10
+Measured 2026-12-01 (2 shared cores, 0.5 s timeout). Before: 0/256 stored in 8 of 10
 inserts, each with encode = 475-700 ms (torch ``copy_`` of each 64 KiB payload waiting on its
 OpenMP threads; 480-1800 page faults on a lane's first insert, staging allocated then) and
 ``batch_upsert_from`` 20-100 ms. After (staging faulted in at construction, one ``memmove``
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 import mmkey.cache.mooncake._cache as mc
+import mmkey.cache.mooncake._writes as writes
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
 from mmkey.cache.mooncake import _staging as _mooncake_staging
 from mmkey.cache.mooncake import _transport as _mooncake_transport
@@ -82,9 +83,9 @@ def instrument() -> None:
     """Wrap the write path's phases with timers (this process only)."""
     gc.callbacks.append(_gc_timer)
     for owner, name, phase in (
-        (mc, "encode_entry_into", "encode"),
-        (mc, "stage_entry", "encode"),
-        (mc.MooncakeCache, "_flush_on_worker", "batch_upsert_from"),
+        (writes, "encode_entry_into", "encode"),
+        (writes, "stage_entry", "encode"),
+        (writes.Writer, "_flush_on_worker", "batch_upsert_from"),
         (_mooncake_staging.Staging, "view", "staging alloc+register"),
         (_mooncake_staging.Staging, "prepare", "staging alloc+register"),
         (_mooncake_transport.StoreTransport, "ready", "ready (breaker, master ping)"),
@@ -148,7 +149,7 @@ def show(label: str, total: float, stored: int, got: dict[str, float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quiet", action="store_true", help="no background load")
-    parser.add_argument("--deadline", type=float, default=0.5)
+    parser.add_argument("--timeout", type=float, default=0.5)
     parser.add_argument("--more", type=int, default=0, help="inserts after the second")
     args = parser.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -165,7 +166,7 @@ def main() -> None:
         try:
             for round_, size in enumerate(SIZES):
                 config = MooncakeConfig(master_server_address=master.address, local_buffer_size=size,
-                                        deadline=args.deadline)
+                                        timeout=args.timeout)
                 start = time.perf_counter()
                 with phases() as got:
                     cache = MooncakeCache(config, keyring=None)

@@ -68,7 +68,7 @@ def local_config(master: MasterProcess, **overrides: Any) -> MooncakeConfig:
         "master_server_address": master.address,
         "global_segment_size": 64 * MiB,
         "local_buffer_size": 16 * MiB,
-        "setup_deadline": 5.0,
+        "setup_timeout": 5.0,
         "retry_after": 0.2,
     }
     fields.update(overrides)

@@ -12,13 +12,13 @@ from mmkey.errors import StoreError
 
 def test_runner_returns_results_and_raises_errors_of_the_call() -> None:
     runner = DeadlineRunner("test")
-    assert runner.call(lambda: 41 + 1, deadline=5) == 42
+    assert runner.call(lambda: 41 + 1, timeout=5) == 42
 
     def boom() -> int:
         raise KeyError("x")
 
     with pytest.raises(KeyError):
-        runner.call(boom, deadline=5)
+        runner.call(boom, timeout=5)
     runner.stop()
 
 
@@ -26,27 +26,27 @@ def test_a_stuck_call_times_out_and_keeps_the_runner_busy_until_it_ends() -> Non
     runner = DeadlineRunner("test")
     release = threading.Event()
     with pytest.raises(CallTimeout):
-        runner.call(lambda: release.wait(10), deadline=0.05)
+        runner.call(lambda: release.wait(10), timeout=0.05)
     assert runner.is_busy()
     release.set()
-    assert runner.call(lambda: "after", deadline=5) == "after"
+    assert runner.call(lambda: "after", timeout=5) == "after"
     assert not runner.is_busy()
     assert issubclass(CallTimeout, StoreError)
     runner.stop()
 
 
-def test_a_call_is_stuck_only_once_it_outlives_the_deadline_and_queued_timeouts_never_run() -> None:
+def test_a_call_is_stuck_only_once_it_outlives_the_timeout_and_queued_timeouts_never_run() -> None:
     runner = DeadlineRunner("test")
     release = threading.Event()
     ran: list[str] = []
     running = runner.submit(lambda: release.wait(10))
     assert not runner.is_stuck(5.0), "a call that just started is worth queueing behind"
     with pytest.raises(CallTimeout):
-        runner.call(lambda: ran.append("queued"), deadline=0.1)
+        runner.call(lambda: ran.append("queued"), timeout=0.1)
     assert runner.is_stuck(0.05)
     release.set()
     running.result(timeout=5)
-    assert runner.call(lambda: "after", deadline=5) == "after"
+    assert runner.call(lambda: "after", timeout=5) == "after"
     assert ran == [], "a call that timed out before it started is cancelled"
     assert not runner.is_stuck(0.0)
     runner.stop()
@@ -121,7 +121,7 @@ def test_the_result_of_an_abandoned_call_is_handed_over_for_release() -> None:
         done.set()
 
     with pytest.raises(CallTimeout):
-        runner.call(lambda: (release.wait(10), "lease")[1], deadline=0.05, abandoned=hand)
+        runner.call(lambda: (release.wait(10), "lease")[1], timeout=0.05, abandoned=hand)
     assert handed == []
     release.set()
     assert done.wait(5) and handed == ["lease"]
@@ -139,12 +139,12 @@ def test_abandoned_is_not_called_for_a_failed_or_a_cancelled_call() -> None:
         raise KeyError("store error")
 
     with pytest.raises(CallTimeout):
-        runner.call(fail, deadline=0.05, abandoned=handed.append)
+        runner.call(fail, timeout=0.05, abandoned=handed.append)
     # queued behind the stuck call, this one times out before it starts: it is cancelled
     with pytest.raises(CallTimeout):
-        runner.call(lambda: ran.append("ran"), deadline=0.05, abandoned=handed.append)
+        runner.call(lambda: ran.append("ran"), timeout=0.05, abandoned=handed.append)
     release.set()
-    assert runner.call(lambda: "next", deadline=5) == "next"
+    assert runner.call(lambda: "next", timeout=5) == "next"
     assert handed == [] and ran == []
     runner.stop()
 
@@ -169,7 +169,7 @@ def test_an_exception_in_the_waiting_thread_hands_the_result_over() -> None:
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.3)
         with pytest.raises(KeyboardInterrupt):
-            runner.call(lambda: (release.wait(10), "lease")[1], deadline=10, abandoned=hand)
+            runner.call(lambda: (release.wait(10), "lease")[1], timeout=10, abandoned=hand)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -193,7 +193,7 @@ def test_close_releases_waiting_callers_at_once_and_stops_the_worker() -> None:
 
     def waiter() -> None:
         try:
-            runner.call(hold, deadline=30, abandoned=handed.append)
+            runner.call(hold, timeout=30, abandoned=handed.append)
         except BaseException as exc:
             outcome.append(exc)
 
@@ -204,7 +204,7 @@ def test_close_releases_waiting_callers_at_once_and_stops_the_worker() -> None:
     thread.join(5)
     assert not thread.is_alive() and isinstance(outcome[0], StoreClosed)
     with pytest.raises(StoreClosed):
-        runner.call(lambda: "late", deadline=30)
+        runner.call(lambda: "late", timeout=30)
     release.set()
     assert runner.join(5)
     assert handed == ["lease"]

@@ -90,8 +90,8 @@ def key(i: int) -> EmbeddingKey:
 
 
 def config(master: MasterProcess, **overrides: Any) -> MooncakeConfig:
-    # generous deadlines: only a hang may fail these tests
-    return local_config(master, **{"deadline": 5.0, "setup_deadline": 10.0, **overrides})
+    # generous timeouts: only a hang may fail these tests
+    return local_config(master, **{"timeout": 5.0, "setup_timeout": 10.0, **overrides})
 
 
 @pytest.fixture

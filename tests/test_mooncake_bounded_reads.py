@@ -84,7 +84,7 @@ def test_a_200_mib_junk_value_is_a_miss_without_being_fetched(
     junk_under_a_key: list[EmbeddingKey],
     keyring: EntryKeyring | None,
 ) -> None:
-    cfg = local_config(mooncake_master_session, global_segment_size=0, deadline=10.0)
+    cfg = local_config(mooncake_master_session, global_segment_size=0, timeout=10.0)
     with MooncakeCache(cfg, keyring=keyring) as cache:
         cache.get_embeddings([key(99)])  # staging and the store's own buffers, set up
         slot = cache._transport.lanes[0].staging.slots.slot
@@ -107,7 +107,7 @@ def test_a_200_mib_junk_value_is_a_miss_without_being_fetched(
 def test_a_configured_maximum_bounds_get_embeddings(
     mooncake_master_session: MasterProcess,
 ) -> None:
-    cfg = local_config(mooncake_master_session, deadline=10.0, max_entry_size=1 * MiB)
+    cfg = local_config(mooncake_master_session, timeout=10.0, max_entry_size=1 * MiB)
     big, small = torch.randn(512, 1024), torch.randn(16, 16)  # 2 MiB and 1 KiB payloads
     with MooncakeCache(cfg, keyring=RING) as cache:
         assert cache.insert_batch([key(10), key(11)], [big, small]) == [True, True]
@@ -122,7 +122,7 @@ def test_a_configured_maximum_bounds_get_embeddings(
 def test_the_read_slot_learns_only_from_entries_that_verified(
     mooncake_master_session: MasterProcess,
 ) -> None:
-    cfg = local_config(mooncake_master_session, deadline=10.0)
+    cfg = local_config(mooncake_master_session, timeout=10.0)
     with MooncakeCache(cfg, keyring=RING) as cache, raw_client(
         local_config(mooncake_master_session, global_segment_size=0)
     ) as stranger:

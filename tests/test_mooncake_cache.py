@@ -32,9 +32,9 @@ from _support import local_config, raw_client, timed, wait_until
 pytestmark = pytest.mark.mooncake
 
 MiB = 1 << 20
-DEADLINE = 0.3
-# a call may overrun its deadline by scheduling noise, never by a store hang (30 s)
-BOUND = DEADLINE + 1.5
+TIMEOUT = 0.3
+# a call may overrun its timeout by scheduling noise, never by a store hang (30 s)
+BOUND = TIMEOUT + 1.5
 
 
 def key(i: int, namespace: str = "test-model") -> EmbeddingKey:
@@ -42,7 +42,7 @@ def key(i: int, namespace: str = "test-model") -> EmbeddingKey:
 
 
 def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
-    defaults = {"global_segment_size": 256 * MiB, "local_buffer_size": 32 * MiB, "deadline": DEADLINE}
+    defaults = {"global_segment_size": 256 * MiB, "local_buffer_size": 32 * MiB, "timeout": TIMEOUT}
     return local_config(master, **{**defaults, **overrides})
 
 
@@ -167,7 +167,7 @@ def test_a_second_process_reads_what_the_first_wrote(
 import sys, torch
 from mmkey import EmbeddingKey, MooncakeCache, MooncakeConfig
 cache = MooncakeCache(MooncakeConfig(master_server_address={mooncake_master_session.address!r},
-                                     global_segment_size=0, deadline=5.0))
+                                     global_segment_size=0, timeout=5.0))
 got = cache.get_embeddings([EmbeddingKey.from_key(k) for k in sys.argv[1:]])
 for t in got:
     print("miss" if t is None else f"{{t.dtype}} {{tuple(t.shape)}} {{t.float().sum().item():.6e}}")
@@ -247,7 +247,7 @@ def test_killed_and_restarted_master(mooncake_master: MasterProcess) -> None:
         c.close()
 
 
-def test_hung_master_answers_misses_within_the_deadline_and_recovers(
+def test_hung_master_answers_misses_within_the_timeout_and_recovers(
     mooncake_master: MasterProcess,
 ) -> None:
     c = MooncakeCache(config(mooncake_master))
@@ -276,7 +276,7 @@ def test_no_master_at_construction_then_it_comes_up(mooncake_master: MasterProce
     c, took = timed(lambda: MooncakeCache(config(mooncake_master)))
     assert isinstance(c, MooncakeCache)
     try:
-        assert took < 5.0 + BOUND  # the setup deadline, never Mooncake's ~90 s retry loop
+        assert took < 5.0 + BOUND  # the setup timeout, never Mooncake's ~90 s retry loop
         assert not c.is_connected()
         assert c.get_embeddings([key(12_000)]) == [None]
         mooncake_master.restart()
@@ -286,14 +286,14 @@ def test_no_master_at_construction_then_it_comes_up(mooncake_master: MasterProce
         c.close()
 
 
-def test_reconnecting_waits_at_most_the_call_deadline_not_the_setup_deadline(
+def test_reconnecting_waits_at_most_the_call_timeout_not_the_setup_timeout(
     mooncake_master: MasterProcess,
 ) -> None:
     # the master is down at construction, then answers its port but sets clients up slowly
-    # (as a hung master does): a lookup must still return within `deadline`, not wait for
-    # `setup_deadline`; the slow setup finishes on the worker and the cache recovers
+    # (as a hung master does): a lookup must still return within `timeout`, not wait for
+    # `setup_timeout`; the slow setup finishes on the worker and the cache recovers
     mooncake_master.kill()
-    c = MooncakeCache(config(mooncake_master, setup_deadline=4.0))
+    c = MooncakeCache(config(mooncake_master, setup_timeout=4.0))
     real = c._transport.store_class
 
     class SlowSetup(real):  # type: ignore[valid-type, misc]
@@ -338,7 +338,7 @@ def test_concurrent_callers_queue_instead_of_missing(cache: MooncakeCache) -> No
 def test_tensors_reused_after_an_insert_timed_out_are_never_stored(
     monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
 ) -> None:
-    # the first staging flush outlives the deadline: insert_batch returns and the caller
+    # the first staging flush outlives the timeout: insert_batch returns and the caller
     # reuses its tensors; the worker must not encode the rest of the batch from them
     import mooncake.store
 
@@ -367,10 +367,10 @@ def test_tensors_reused_after_an_insert_timed_out_are_never_stored(
             assert got is None or torch.equal(got, want)
 
 
-def test_close_with_a_hung_master_returns_within_the_setup_deadline(
+def test_close_with_a_hung_master_returns_within_the_setup_timeout(
     mooncake_master: MasterProcess,
 ) -> None:
-    c = MooncakeCache(config(mooncake_master, setup_deadline=1.0))
+    c = MooncakeCache(config(mooncake_master, setup_timeout=1.0))
     c.insert_batch([key(13_000)], [torch.ones(2)])
     mooncake_master.pause()
     c.get_embeddings([key(13_000)])  # leaves a call stuck on the worker

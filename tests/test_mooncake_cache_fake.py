@@ -40,7 +40,7 @@ def make_cache(master: FakeMooncakeMaster, **overrides: object) -> MooncakeCache
     settings: dict[str, object] = {
         "global_segment_size": 64 * MiB,
         "local_buffer_size": 8 * MiB,
-        "deadline": 2.0,  # ample on a loaded host; cut-offs come from injected faults
+        "timeout": 2.0,  # ample on a loaded host; cut-offs come from injected faults
         "retry_after": 30.0,
     }
     settings.update(overrides)
@@ -161,7 +161,7 @@ def test_the_breaker_closes_after_one_trial_call_succeeds(master: FakeMooncakeMa
 
 
 def test_a_slow_metadata_call_is_cut_off_at_the_deadline(master: FakeMooncakeMaster) -> None:
-    with make_cache(master, deadline=0.5) as cache:
+    with make_cache(master, timeout=0.5) as cache:
         assert cache.insert_batch([key(50)], [torch.ones(2)]) == [True]
         master.delay("batch_is_exist", 3.0)
         assert cache.batch_is_exist([key(50)]) == [False]  # returned before the call did
@@ -179,7 +179,7 @@ def test_a_paused_holder_is_quarantined_and_its_late_transfer_lands_in_staging_o
     a, b = key(60), key(61)
     paused.write(a, torch.ones(4))
     healthy.write(b, torch.full((4,), 2.0))
-    with make_cache(master, global_segment_size=0, deadline=1.0, retry_after=0.05) as cache:
+    with make_cache(master, global_segment_size=0, timeout=1.0, retry_after=0.05) as cache:
         master.pause_holder(paused.endpoint)
         target = torch.zeros(4)
         assert cache.read_into([a], [target]) == [False]  # cut off at the deadline

@@ -15,7 +15,7 @@ def test_defaults_use_mooncake_names_and_a_p2p_handshake() -> None:
     config = MooncakeConfig(master_server_address="127.0.0.1:50051")
     assert config.metadata_server == "P2PHANDSHAKE"
     assert config.protocol == "tcp"
-    assert config.deadline < 2.0
+    assert config.timeout < 2.0
     assert config.setup_args() == (
         "127.0.0.1", "P2PHANDSHAKE", 512 << 20, 128 << 20, "tcp", "", "127.0.0.1:50051",
     )
@@ -24,7 +24,7 @@ def test_defaults_use_mooncake_names_and_a_p2p_handshake() -> None:
 def test_config_is_frozen() -> None:
     config = MooncakeConfig(master_server_address="127.0.0.1:50051")
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        config.deadline = 3.0  # type: ignore[misc]
+        config.timeout = 3.0  # type: ignore[misc]
 
 
 def test_from_env_reads_mooncakes_variables() -> None:
@@ -37,7 +37,7 @@ def test_from_env_reads_mooncakes_variables() -> None:
         "MOONCAKE_LOCAL_BUFFER_SIZE": "268435456",
         "MOONCAKE_LOCAL_HOSTNAME": "10.0.0.7",
     }
-    config = MooncakeConfig.from_env(env, deadline=0.25)
+    config = MooncakeConfig.from_env(env, timeout=0.25)
     assert config == MooncakeConfig(
         master_server_address="10.0.0.5:50051",
         protocol="rdma",
@@ -46,7 +46,7 @@ def test_from_env_reads_mooncakes_variables() -> None:
         global_segment_size=1 << 30,
         local_buffer_size=256 << 20,
         local_hostname="10.0.0.7",
-        deadline=0.25,
+        timeout=0.25,
     )
 
 
@@ -97,9 +97,9 @@ def test_bad_sizes_are_value_errors(text: str) -> None:
         ({"master_server_address": "h:99999"}, ValueError, "outside 1..65535"),
         ({"master_server_address": 50051}, TypeError, "host:port"),
         ({"protocol": "udp"}, ValueError, "tcp"),
-        ({"deadline": 0}, ValueError, "> 0"),
-        ({"deadline": float("inf")}, ValueError, "finite"),
-        ({"deadline": "1"}, TypeError, "seconds"),
+        ({"timeout": 0}, ValueError, "> 0"),
+        ({"timeout": float("inf")}, ValueError, "finite"),
+        ({"timeout": "1"}, TypeError, "seconds"),
         ({"global_segment_size": -1}, ValueError, ">= 0"),
         ({"global_segment_size": "512MB"}, TypeError, "parse_size"),
         ({"protocol": ["tcp"]}, TypeError, "protocol must be text"),

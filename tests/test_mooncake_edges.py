@@ -1,6 +1,6 @@
 """MooncakeCache at the edges, against a real local mooncake_master: no process-wide freeze
 (paused master at set-up, re-connect and close), waits that release what they hold on any
-exception, one deadline per call, read slots that adapt both ways, distinct tensors for
+exception, one timeout per call, read slots that adapt both ways, distinct tensors for
 repeated keys, foreign faults as misses, and calls that race `close`.
 
 A thread ticking every few milliseconds measures freezes: Mooncake's setup() and close()
@@ -33,7 +33,7 @@ from _support import local_config, timed, wait_until
 pytestmark = pytest.mark.mooncake
 
 MiB = 1 << 20
-DEADLINE = 0.3
+TIMEOUT = 0.3
 SLACK = 1.0
 """Scheduling noise on a loaded machine; a freeze behind a hung master lasts 30 s or more."""
 
@@ -43,7 +43,7 @@ def key(i: int) -> EmbeddingKey:
 
 
 def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
-    defaults = {"setup_deadline": 2.0, "retry_after": 0.1, "deadline": DEADLINE}
+    defaults = {"setup_timeout": 2.0, "retry_after": 0.1, "timeout": TIMEOUT}
     return local_config(master, **{**defaults, **overrides})
 
 
@@ -131,12 +131,12 @@ def test_construction_against_a_paused_master_never_freezes_the_process(
     try:
         cache, took = timed(lambda: MooncakeCache(config(mooncake_master)))
         assert isinstance(cache, MooncakeCache)
-        assert took < 2.0 + SLACK and ticker.longest < DEADLINE + SLACK
+        assert took < 2.0 + SLACK and ticker.longest < TIMEOUT + SLACK
         assert not cache.is_connected()
         got, took = timed(lambda: cache.get_embeddings([key(1)]))
-        assert got == [None] and took < DEADLINE + SLACK
+        assert got == [None] and took < TIMEOUT + SLACK
         cache.close()
-        assert ticker.longest < DEADLINE + SLACK
+        assert ticker.longest < TIMEOUT + SLACK
     finally:
         mooncake_master.resume()
 
@@ -153,8 +153,8 @@ def test_reconnecting_to_a_master_that_came_back_hung_never_freezes_the_process(
         for _ in range(5):
             time.sleep(0.15)  # past retry_after: every call tries to re-connect
             got, took = timed(lambda: cache.get_embeddings([key(2)]))
-            assert got == [None] and took < DEADLINE + SLACK
-        assert ticker.longest < DEADLINE + SLACK
+            assert got == [None] and took < TIMEOUT + SLACK
+        assert ticker.longest < TIMEOUT + SLACK
         mooncake_master.resume()
         assert wait_until(lambda: cache.insert_batch([key(2)], [torch.ones(3)]) == [True], 30)
         got = cache.get_embeddings([key(2)])[0]
@@ -164,7 +164,7 @@ def test_reconnecting_to_a_master_that_came_back_hung_never_freezes_the_process(
         cache.close()
 
 
-def test_close_with_a_paused_master_returns_within_the_deadline_without_freezing(
+def test_close_with_a_paused_master_returns_within_the_timeout_without_freezing(
     mooncake_master: MasterProcess, ticker: Ticker
 ) -> None:
     cache = MooncakeCache(config(mooncake_master))
@@ -173,11 +173,11 @@ def test_close_with_a_paused_master_returns_within_the_deadline_without_freezing
     try:
         ticker.reset()
         _, took = timed(cache.close)
-        assert took < DEADLINE + SLACK and ticker.longest < DEADLINE + SLACK
+        assert took < TIMEOUT + SLACK and ticker.longest < TIMEOUT + SLACK
     finally:
         mooncake_master.resume()
     time.sleep(1.0)  # the abandoned store is never closed later behind the caller's back
-    assert ticker.longest < DEADLINE + SLACK
+    assert ticker.longest < TIMEOUT + SLACK
     assert close_abandoned() == 1, "closed only when asked, once the master answers"
     assert close_abandoned() == 0
 
@@ -192,11 +192,11 @@ def test_close_behind_a_stuck_call_abandons_the_store_once_the_call_returns(
         assert cache.batch_is_exist([key(4)]) == [False]  # leaves the worker stuck (30 s)
         ticker.reset()
         _, took = timed(cache.close)
-        assert took < DEADLINE + SLACK and ticker.longest < DEADLINE + SLACK
+        assert took < TIMEOUT + SLACK and ticker.longest < TIMEOUT + SLACK
     finally:
         mooncake_master.resume()  # the stuck call returns now; the late close must not run
     assert cache._transport.join(40)
-    assert ticker.longest < DEADLINE + SLACK
+    assert ticker.longest < TIMEOUT + SLACK
     assert close_abandoned() == 1
 
 
@@ -220,7 +220,7 @@ import sys, time, torch
 from mmkey import EmbeddingKey, MooncakeCache, MooncakeConfig
 cache = MooncakeCache(MooncakeConfig(master_server_address={mooncake_master.address!r},
                                      global_segment_size=64 << 20, local_buffer_size=16 << 20,
-                                     deadline=0.3))
+                                     timeout=0.3))
 assert cache.insert_batch([EmbeddingKey.from_key(sys.argv[1])], [torch.ones(2)]) == [True]
 print("ready", flush=True)
 sys.stdin.readline()
@@ -240,7 +240,7 @@ print(f"closed {{time.monotonic() - start:.3f}}", flush=True)
         child.stdin.write("close\n")
         child.stdin.flush()
         word, took = child.stdout.readline().split()
-        assert word == "closed" and float(took) < DEADLINE + SLACK
+        assert word == "closed" and float(took) < TIMEOUT + SLACK
         mooncake_master.resume()
         assert child.wait(timeout=60) == 0
     finally:
@@ -285,7 +285,7 @@ def test_keyboard_interrupt_during_a_read_leaves_the_cache_usable(
     monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
 ) -> None:
     slow_store(monkeypatch, 0.0, ("batch_get_into",))
-    with MooncakeCache(config(mooncake_master_session, deadline=5.0)) as cache:
+    with MooncakeCache(config(mooncake_master_session, timeout=5.0)) as cache:
         keys = [key(100 + i) for i in range(4)]
         values = [torch.full((100,), float(i)) for i in range(4)]
         assert cache.insert_batch(keys, values) == [True] * 4
@@ -364,7 +364,7 @@ def test_a_value_too_large_to_allocate_is_a_counted_miss(
 def test_calls_racing_close_return_at_once(
     mooncake_master: MasterProcess, ticker: Ticker
 ) -> None:
-    cache = MooncakeCache(config(mooncake_master, deadline=5.0))
+    cache = MooncakeCache(config(mooncake_master, timeout=5.0))
     assert cache.insert_batch([key(300)], [torch.ones(4)]) == [True]
     mooncake_master.pause()
     returned: list[float] = []
@@ -382,29 +382,29 @@ def test_calls_racing_close_return_at_once(
         closed_at = time.monotonic()
         cache.close()
         thread.join(10)
-        assert returned and returned[0] - closed_at < SLACK, "not a full 5 s deadline"
+        assert returned and returned[0] - closed_at < SLACK, "not a full 5 s timeout"
     finally:
         mooncake_master.resume()
     assert cache._transport.join(40)
     assert close_abandoned() == 1
 
 
-# -- one deadline per call, slots that adapt --------------------------------------------
+# -- one timeout per call, slots that adapt ---------------------------------------------
 
 
-def test_a_large_read_under_a_slow_store_is_bounded_by_one_deadline(
+def test_a_large_read_under_a_slow_store_is_bounded_by_one_timeout(
     monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
 ) -> None:
     calls = slow_store(monkeypatch, 0.0, ("batch_get_into", "get_size", "get_into"))
-    writer = MooncakeCache(config(mooncake_master_session, deadline=30.0))
+    writer = MooncakeCache(config(mooncake_master_session, timeout=30.0))
     with writer, MooncakeCache(
         config(mooncake_master_session, local_buffer_size=1 * MiB, global_segment_size=0)
     ) as cache:
         keys = [key(400 + i) for i in range(80)]  # 64 KiB each, 4 keys a transfer: 20 transfers
         assert writer.insert_batch(keys, [torch.randn(16 * 1024) for _ in keys]) == [True] * 80
-        slow_store_delay[0] = 0.1  # every store call 0.1 s, under a 0.3 s deadline
+        slow_store_delay[0] = 0.1  # every store call 0.1 s, under a 0.3 s timeout
         got, took = timed(lambda: cache.get_embeddings(keys))
-        assert took < DEADLINE + SLACK  # 20 transfers of 0.1 s each took 2 s before
+        assert took < TIMEOUT + SLACK  # 20 transfers of 0.1 s each took 2 s before
         assert isinstance(got, list) and got.count(None) > 0
         slow_store_delay[0] = 0.0
         assert calls["batch_get_into"] <= 5
@@ -415,7 +415,7 @@ def test_read_slots_adapt_down_after_one_large_entry(
 ) -> None:
     calls = slow_store(monkeypatch, 0.0, ("batch_get_into",))
     with MooncakeCache(
-        config(mooncake_master_session, local_buffer_size=4 * MiB, deadline=30.0)
+        config(mooncake_master_session, local_buffer_size=4 * MiB, timeout=30.0)
     ) as cache:
         big = key(500)
         small = [key(501 + i) for i in range(64)]
@@ -472,7 +472,7 @@ def test_inserts_wait_for_the_callers_streams_on_the_worker(
 ) -> None:
     # CUDA tensors: host_ready records an event on the caller's thread, the worker waits
     # on it before reading; the CPU part of that hand-over is checked here everywhere
-    import mmkey.cache.mooncake._cache as module
+    import mmkey.cache.mooncake._writes as module
     from mmkey._tensors import host_ready as real
 
     seen: list[tuple[str, str]] = []
@@ -504,7 +504,7 @@ def test_a_side_stream_output_is_stored_complete(  # pragma: no cover
 ) -> None:
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     out = torch.zeros(1 << 20, device="cuda")
-    with MooncakeCache(config(mooncake_master_session, deadline=30.0)) as cache:
+    with MooncakeCache(config(mooncake_master_session, timeout=30.0)) as cache:
         with torch.cuda.stream(side):
             torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s
             out.fill_(7.0)
@@ -543,7 +543,7 @@ def test_overlapping_calls_into_the_binding_are_safe(
     subclass = type("Overlapping", (base,), {m: overlapping(m) for m in methods})
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", subclass)
     wrong: list[str] = []
-    with MooncakeCache(config(mooncake_master_session, deadline=30.0)) as cache:
+    with MooncakeCache(config(mooncake_master_session, timeout=30.0)) as cache:
 
         def worker(n: int) -> None:
             keys = [key(900_000 + n * 100 + i) for i in range(20)]

@@ -1,12 +1,12 @@
 """MooncakeCache against a real fleet: a master and two segment-holder processes, one of
 which is paused, killed or partitioned while readers (threads and asyncio) keep reading.
 
-Every call returns within the deadline plus scheduling slack; entries on the healthy holder
+Every call returns within the timeout plus scheduling slack; entries on the healthy holder
 keep hitting; reads bound for the failed holder are answered at once after the first failure;
 with two replicas no entry is lost when either holder dies; no wrong tensor is ever served;
 the reader recovers by itself. Time bounds only catch hangs (a stuck transfer lasts 30 s).
 
-One binding fact is pinned here because it rules out zero-copy reads under a deadline: a read
+One binding fact is pinned here because it rules out zero-copy reads under a timeout: a read
 into a registered buffer that is stuck on a paused holder writes the whole buffer once the holder
 resumes, however long after the caller stopped waiting (measured on 0.3.13.post1: an 8 MiB read
 stuck 2 s landed in full within 0.3 s of the resume).
@@ -39,7 +39,7 @@ from _support import raw_client, wait_until
 
 pytestmark = pytest.mark.mooncake
 
-DEADLINE = 0.3
+TIMEOUT = 0.3
 SLACK = 1.5
 QUICK = 0.05
 """Reads bound for a quarantined holder: answered without a transfer."""
@@ -61,7 +61,7 @@ def store(mooncake_fleet: Fleet) -> Iterator[object]:
 
 
 def write(fleet: Fleet, keys: list[EmbeddingKey], replica_num: int = 1) -> MooncakeCache:
-    writer = MooncakeCache(fleet.client_config(deadline=30.0, replica_num=replica_num))
+    writer = MooncakeCache(fleet.client_config(timeout=30.0, replica_num=replica_num))
     assert writer.insert_batch(keys, [value(k.digest) for k in keys]) == [True] * len(keys)
     return writer
 
@@ -77,7 +77,7 @@ def placement(fleet: Fleet, store: object, keys: list[EmbeddingKey]) -> dict[Emb
 
 
 def reader_of(fleet: Fleet, **overrides: object) -> MooncakeCache:
-    fields: dict[str, object] = {"deadline": DEADLINE, "retry_after": 0.5}
+    fields: dict[str, object] = {"timeout": TIMEOUT, "retry_after": 0.5}
     fields.update(overrides)
     return MooncakeCache(fleet.client_config(**fields))
 
@@ -97,7 +97,7 @@ class Sweep:
 
     def check(self) -> None:
         for k, (got, took) in self.results.items():
-            assert took < DEADLINE + SLACK, (k, took)
+            assert took < TIMEOUT + SLACK, (k, took)
             assert got is None or torch.equal(got, value(k.digest)), k
 
 
@@ -196,7 +196,7 @@ def test_puts_straight_from_registered_pages_place_every_replica(
     # MooncakeCache.insert_from's multi-buffer put honours replica_num like its upserts
     pool = torch.randn(40 * 8, 16)
     keys = [key(2500 + i) for i in range(40)]
-    writer = MooncakeCache(mooncake_fleet.client_config(deadline=30.0, replica_num=2, trusted_network=True))
+    writer = MooncakeCache(mooncake_fleet.client_config(timeout=30.0, replica_num=2, trusted_network=True))
     try:
         writer.register_memory(pool)
         pages = [[pool[i * 8 : i * 8 + 3], pool[i * 8 + 5 : i * 8 + 8]] for i in range(40)]
@@ -239,7 +239,7 @@ def test_thread_and_async_readers_keep_hitting_while_a_holder_is_paused(
                 for k in keys:
                     start = time.monotonic()
                     got = (await cache.get_embeddings([k]))[0]
-                    if time.monotonic() - start >= DEADLINE + SLACK:
+                    if time.monotonic() - start >= TIMEOUT + SLACK:
                         failures.append(f"async read of {k} took too long")
                     if got is not None and not torch.equal(got, value(k.digest)):
                         failures.append(f"wrong tensor for {k}")
@@ -299,7 +299,7 @@ def test_an_abandoned_read_still_writes_its_buffer_when_the_holder_resumes(
     """A multi-buffer read stuck on a paused holder writes nothing while it waits and the whole
     buffer once the holder answers. So a caller that gives up at its deadline and hands the buffer
     back (SGLang frees a missed read's pool pages at once) would find it overwritten later: reads
-    under a deadline must land in memory the reader keeps until the call returns, then be copied.
+    under a timeout must land in memory the reader keeps until the call returns, then be copied.
     """
     from mooncake.store import MooncakeDistributedStore
 

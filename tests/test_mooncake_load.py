@@ -4,7 +4,7 @@ The load (`mmkey.testing.busy_host`) is one process faulting in fresh memory and
 writing and syncing a file, as beside a serving process; it stops by itself. Whether the
 host leaves the store time to answer at all is measured the way a user would: the raw
 binding's ``put_batch`` of the same bytes right after each insert. Whenever that took
-under half the deadline, every entry of the insert must be stored.
+under half the timeout, every entry of the insert must be stored.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mmkey.testing.busy_host import busy_host
 from mmkey.testing.mooncake_master import MasterProcess
 
 ENTRIES = 256
-DEADLINE = 0.5
+TIMEOUT = 0.5
 STAGING_SIZES = [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
 
 
@@ -51,7 +51,7 @@ def test_inserts_under_load_store_every_entry(
     tensors = [torch.randn(16 * 1024) for _ in range(ENTRIES)]  # 64 KiB each
     blobs = [t.numpy().tobytes() for t in tensors]
     config = local_config(
-        mooncake_master, local_buffer_size=staging, global_segment_size=160 * MiB, deadline=DEADLINE
+        mooncake_master, local_buffer_size=staging, global_segment_size=160 * MiB, timeout=TIMEOUT
     )
     checked = 0
     with MooncakeCache(config, keyring=None) as cache, raw_client(
@@ -63,7 +63,7 @@ def test_inserts_under_load_store_every_entry(
             start = time.monotonic()
             assert raw.put_batch([f"raw-{attempt}-{i}" for i in range(ENTRIES)], blobs) == 0
             raw_s = time.monotonic() - start
-            if raw_s < DEADLINE / 2:
+            if raw_s < TIMEOUT / 2:
                 checked += 1
                 assert stored == [True] * ENTRIES, (
                     f"{attempt} insert: {sum(stored)}/{ENTRIES} stored while the raw put "
@@ -72,7 +72,7 @@ def test_inserts_under_load_store_every_entry(
                 got = cache.get_embeddings(keys)
                 assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors))
     if not checked:
-        pytest.skip("the host was too busy for the raw binding itself (put over half the deadline)")
+        pytest.skip("the host was too busy for the raw binding itself (put over half the timeout)")
 
 
 def recording_class(sizes: list[int]) -> type[Any]:

@@ -29,7 +29,7 @@ def _cache() -> MooncakeCache:
             master_server_address=_master[0].address,
             global_segment_size=64 << 20,
             local_buffer_size=16 << 20,
-            deadline=5.0,
+            timeout=5.0,
         )
     )
 

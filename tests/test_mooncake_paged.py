@@ -19,11 +19,11 @@ from _support import MiB, count_multi_buffer_puts, local_config, timed, wait_unt
 
 pytestmark = pytest.mark.mooncake
 
-DEADLINE = 0.5
-BOUND = DEADLINE + 1.5  # scheduling noise, never a store hang (30 s)
+TIMEOUT = 0.5
+BOUND = TIMEOUT + 1.5  # scheduling noise, never a store hang (30 s)
 ROOMY = 5.0
-"""The deadline of tests that check what is stored, not how fast: a busy CI host can take
-longer than `DEADLINE` for a first multi-buffer put, which would be a counted miss there."""
+"""The timeout of tests that check what is stored, not how fast: a busy CI host can take
+longer than `TIMEOUT` for a first multi-buffer put, which would be a counted miss there."""
 DIM = 64
 
 
@@ -40,7 +40,7 @@ def multi_buffer_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.fixture
 def cache(mooncake_master_session: MasterProcess) -> Iterator[MooncakeCache]:
     c = MooncakeCache(
-        local_config(mooncake_master_session, trusted_network=True, global_segment_size=256 * MiB, deadline=ROOMY)
+        local_config(mooncake_master_session, trusted_network=True, global_segment_size=256 * MiB, timeout=ROOMY)
     )
     yield c
     c.close()
@@ -65,7 +65,7 @@ def test_pages_of_a_registered_pool_go_in_one_multi_buffer_put_and_read_back(
     mooncake_master_session: MasterProcess, multi_buffer_puts: list[int]
 ) -> None:
     src = pool(400)
-    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, deadline=ROOMY)) as c:
+    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, timeout=ROOMY)) as c:
         c.register_memory(src)
         runs = [pages(src, (0, 30), (100, 6)), pages(src, (200, 50)), pages(src, (300, 1), (360, 40))]
         keys = [key(i) for i in range(3)]
@@ -90,7 +90,7 @@ def test_existing_keys_are_replaced_and_unregistered_memory_is_staged(
     mooncake_master_session: MasterProcess, multi_buffer_puts: list[int]
 ) -> None:
     registered, loose = pool(100, seed=1), pool(100, seed=2)
-    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, deadline=ROOMY)) as c:
+    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, timeout=ROOMY)) as c:
         c.register_memory(registered)
         k_new, k_loose = key(100), key(101)
         assert c.insert_from([k_loose], [pages(loose, (0, 10), (50, 10))]) == [True]
@@ -111,7 +111,7 @@ def test_memory_registered_before_the_store_is_set_up_is_sent_from_once_it_is(
     src = pool(64)
     mooncake_master.pause()
     try:
-        c = MooncakeCache(local_config(mooncake_master, trusted_network=True, deadline=DEADLINE, setup_deadline=0.3))
+        c = MooncakeCache(local_config(mooncake_master, trusted_network=True, timeout=TIMEOUT, setup_timeout=0.3))
         assert not c.is_connected()
         c.register_memory(src)  # no store yet: recorded
     finally:
@@ -136,7 +136,7 @@ def test_registered_memory_still_goes_straight_to_a_restarted_master(
     mooncake_master: MasterProcess, multi_buffer_puts: list[int]
 ) -> None:
     src = pool(64, seed=8)
-    c = MooncakeCache(local_config(mooncake_master, trusted_network=True, deadline=DEADLINE))
+    c = MooncakeCache(local_config(mooncake_master, trusted_network=True, timeout=TIMEOUT))
     try:
         c.register_memory(src)
         assert c.insert_from([key(250)], [[src[:8]]]) == [True]
@@ -188,7 +188,7 @@ def test_signed_entries_from_pages_verify_and_foreign_secrets_are_forged(
 ) -> None:
     ours, theirs = EntryKeyring.from_secrets(hashlib.sha256(b"a").hexdigest()), EntryKeyring.from_secrets(hashlib.sha256(b"b").hexdigest())
     src = pool(50, seed=5)
-    cfg = local_config(mooncake_master_session, trusted_network=True, deadline=ROOMY)
+    cfg = local_config(mooncake_master_session, trusted_network=True, timeout=ROOMY)
     with MooncakeCache(cfg, keyring=ours) as writer, MooncakeCache(cfg, keyring=theirs) as other:
         writer.register_memory(src)
         k = key(500, namespace="paged-signed")
@@ -210,7 +210,7 @@ def test_many_entries_pipeline_over_lanes_and_large_ones_get_their_own_buffer(
         trusted_network=True,
         global_segment_size=256 * MiB,
         local_buffer_size=1 * MiB,
-        deadline=5.0,
+        timeout=5.0,
     )
     src = torch.randn(40 * 2048 + 24576, DIM).to(torch.bfloat16)  # 256 KiB per 2048 rows
     with MooncakeCache(cfg) as c:
@@ -224,11 +224,11 @@ def test_many_entries_pipeline_over_lanes_and_large_ones_get_their_own_buffer(
         assert same(dst, src)
 
 
-def test_a_hung_master_answers_every_call_as_a_miss_within_the_deadline(
+def test_a_hung_master_answers_every_call_as_a_miss_within_the_timeout(
     mooncake_master: MasterProcess,
 ) -> None:
     src = pool(64, seed=6)
-    c = MooncakeCache(local_config(mooncake_master, trusted_network=True, deadline=DEADLINE))
+    c = MooncakeCache(local_config(mooncake_master, trusted_network=True, timeout=TIMEOUT))
     try:
         c.register_memory(src)
         k = key(700)

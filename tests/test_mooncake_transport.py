@@ -18,7 +18,7 @@ class NeverSetUp:
 
 @pytest.fixture
 def transport() -> Iterator[StoreTransport]:
-    config = MooncakeConfig(master_server_address="127.0.0.1:9", deadline=0.2)
+    config = MooncakeConfig(master_server_address="127.0.0.1:9", timeout=0.2)
     t = StoreTransport(config, NeverSetUp, lambda: None, lambda: None)  # type: ignore[arg-type]
     yield t
     t.close()
@@ -48,14 +48,14 @@ def test_idle_lanes_first_then_queue_behind_a_healthy_one_then_none(transport: S
         for i in range(1, TRANSFER_LANES):
             occupy(transport, i, release)
         busy = transport.pick_lane(set())
-        assert busy is transport.lanes[0], "every lane busy but within its deadline: queue behind one"
-        time.sleep(0.3)  # past the deadline: every lane is stuck now
+        assert busy is transport.lanes[0], "every lane busy but within its timeout: queue behind one"
+        time.sleep(0.3)  # past the timeout: every lane is stuck now
         assert transport.pick_lane(set()) is None
         assert transport.busy_lanes() == TRANSFER_LANES
     finally:
         release.set()
     for lane in transport.lanes:
-        lane.runner.call(lambda: None, deadline=5)
+        lane.runner.call(lambda: None, timeout=5)
     assert transport.busy_lanes() == 0
 
 

@@ -69,7 +69,7 @@ def test_a_stranger_writing_into_every_registered_buffer_never_gets_its_bytes_se
     with raw_client(holder_cfg):  # entries live here, not in the cache's process
         before = listening_ports()
         cfg = local_config(
-            mooncake_master_session, global_segment_size=0, local_buffer_size=4 * MiB, deadline=5.0
+            mooncake_master_session, global_segment_size=0, local_buffer_size=4 * MiB, timeout=5.0
         )
         with MooncakeCache(cfg, keyring=RING) as cache:
             keys = [key(i) for i in range(48)]
@@ -131,7 +131,7 @@ def test_without_trusted_network_pools_are_not_registered_and_puts_go_through_st
 ) -> None:
     multi_buffer_puts = count_multi_buffer_puts(monkeypatch)
     pool = torch.randn(64, 32)
-    with MooncakeCache(local_config(mooncake_master_session, deadline=5.0), keyring=RING) as cache:
+    with MooncakeCache(local_config(mooncake_master_session, timeout=5.0), keyring=RING) as cache:
         assert not cache.config.trusted_network
         cache.register_memory(pool)
         cache.register_memory(pool)  # nothing recorded: no overlap either

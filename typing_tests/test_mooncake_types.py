@@ -43,7 +43,10 @@ def adapter_types(config: MooncakeConfig, key: EmbeddingKey, t: torch.Tensor, h:
     cache.insert_batch([key], [t.numpy()])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
     MooncakeCache("127.0.0.1:50051")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     MooncakeConfig("127.0.0.1:50051")  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
-    config.deadline = 1.0  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
+    assert_type(config.timeout, float)
+    assert_type(config.setup_timeout, float)
+    config.timeout = 1.0  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
+    MooncakeConfig(master_server_address="h:1", deadline=1.0)  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
     del as_protocol
 
 

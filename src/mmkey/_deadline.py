@@ -1,11 +1,11 @@
-"""Blocking calls on a worker thread, each waited for at most its deadline, and a breaker.
+"""Blocking calls on a worker thread, each waited for at most its timeout, and a breaker.
 
 A store binding can block for tens of seconds when its server hangs. `DeadlineRunner` runs
-callables one at a time on a daemon thread (a lane) and a caller waits at most its deadline
+callables one at a time on a daemon thread (a lane) and a caller waits at most its timeout
 for one (`CallTimeout` after it). Calls queue behind a healthy call; `is_stuck` tells the
-caller that the running call has outlived its deadline, so it can answer at once instead of
+caller that the running call has outlived its timeout, so it can answer at once instead of
 queueing behind it, and a call that timed out in the queue is cancelled, never run. A caller
-that stops waiting for any reason (the deadline, ``KeyboardInterrupt``, the runner closing)
+that stops waiting for any reason (the timeout, ``KeyboardInterrupt``, the runner closing)
 hands the call's eventual result to a release function, so nothing it holds (a staging
 lease) is lost. `Breaker` refuses calls for a while after a failure. Nothing here knows the
 store it guards (the Mooncake transport uses it).
@@ -31,7 +31,7 @@ _LOG = logging.getLogger("mmkey.cache")
 
 
 class CallTimeout(StoreError):
-    """A store call did not finish within its deadline (it may still finish later)."""
+    """A store call did not finish within its timeout (it may still finish later)."""
 
 
 class Call(Generic[T]):
@@ -129,7 +129,7 @@ class Call(Generic[T]):
 
 
 class DeadlineRunner:
-    """Runs callables one at a time on a daemon thread; callers wait at most a deadline.
+    """Runs callables one at a time on a daemon thread; callers wait at most a timeout.
 
     The worker waits on its own queue; each call carries its own gate (`Call`), so a hop
     costs one queue put, one thread wake-up each way and no shared condition variable.
@@ -153,7 +153,7 @@ class DeadlineRunner:
         """Whether the call running now started more than `after` seconds ago.
 
         Calls queued behind a healthy call are worth waiting for (each caller still waits
-        at most its deadline); calls behind a stuck one are not.
+        at most its timeout); calls behind a stuck one are not.
         """
         since = self._running_since
         return since is not None and time.monotonic() - since > after
@@ -172,7 +172,7 @@ class DeadlineRunner:
     def call(
         self,
         fn: Callable[[], T],
-        deadline: float,
+        timeout: float,
         abandoned: Callable[[T], object] | None = None,
     ) -> T:
         """Run `fn` on the worker and return its result, or raise `CallTimeout`.
@@ -180,20 +180,20 @@ class DeadlineRunner:
         A call that the caller stops waiting for before the worker started it is cancelled:
         it never runs. One that is already running hands its eventual result to `abandoned`
         (to release what the result holds), since no caller will. That holds whatever ends
-        the wait: the deadline (`CallTimeout`), `close` (`StoreClosed`) or an exception
+        the wait: the timeout (`CallTimeout`), `close` (`StoreClosed`) or an exception
         raised in the waiting thread (``KeyboardInterrupt``), which propagates.
         """
-        return self.wait_for(self.submit(fn), deadline, abandoned)
+        return self.wait_for(self.submit(fn), timeout, abandoned)
 
     def wait_for(
         self,
         call: Call[T],
-        deadline: float,
+        timeout: float,
         abandoned: Callable[[T], object] | None = None,
     ) -> T:
-        """Wait at most `deadline` seconds for a `submit`-ted call, as `call` does."""
+        """Wait at most `timeout` seconds for a `submit`-ted call, as `call` does."""
         try:
-            call.wait(deadline)
+            call.wait(timeout)
         except BaseException:
             self._abandon(call, abandoned)
             raise
@@ -204,7 +204,7 @@ class DeadlineRunner:
         self._abandon(call, abandoned)
         if self._closing:
             raise StoreClosed("the store was closed while this call waited")
-        raise CallTimeout(f"store call still running after {deadline:.3g} s")
+        raise CallTimeout(f"store call still running after {timeout:.3g} s")
 
     @staticmethod
     def _abandon(call: Call[T], abandoned: Callable[[T], object] | None) -> None:

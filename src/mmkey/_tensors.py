@@ -17,7 +17,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HostReady", "byte_view", "host_ready", "plain_cpu"]
+__all__ = ["HostReady", "byte_view", "host_ready", "nbytes_of", "plain_cpu"]
 
 
 def plain_cpu(value: object, action: str, expected: str, fix: str) -> torch.Tensor:
@@ -43,6 +43,11 @@ def plain_cpu(value: object, action: str, expected: str, fix: str) -> torch.Tens
     if t.is_neg():
         t = t.resolve_neg()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    """The bytes of a tensor's elements."""
+    return t.numel() * t.element_size()
 
 
 def byte_view(t: torch.Tensor, *, writable: bool = False) -> memoryview:

@@ -139,7 +139,7 @@ class AsyncCache:
         ``mmkey._tensors.host_ready``), so output written on a side stream is never stored
         early. Cancelled before its worker started, the insert never runs; cancelled while
         it runs, the ``await`` raises `asyncio.CancelledError` only once the wrapped insert
-        has returned (no longer than that cache's own deadline). Either way the caller may
+        has returned (no longer than that cache's own timeout). Either way the caller may
         reuse its buffers as soon as the ``await`` raised: no copy is taken.
         """
         import asyncio

@@ -2,12 +2,13 @@
 
 The facade (`MooncakeCache`, in ``_cache``) loads on first use of its name, so importing
 this package for `MooncakeConfig` starts no transport thread and registers no exit hook.
-Inside: ``config`` (the frozen configuration and Mooncake's variables), ``_transport``
-(binding calls on worker threads, within a timeout, behind a breaker), ``_staging``
-(registered buffers), ``_quarantine`` and ``_ping`` (unreachable holders, the master's
-liveness), ``_replicas`` (where the master says a key is), ``_master_http`` (the master's
-HTTP endpoints), ``usage`` (the master's metrics), ``holder`` and ``_net`` (holder
-processes and addresses).
+Inside: ``_reads`` and ``_writes`` (the facade's read scheduling and write pipelines, over
+the ``_parts`` the three share), ``config`` (the frozen configuration and Mooncake's
+variables), ``_transport`` (binding calls on worker threads, within a timeout, behind a
+breaker), ``_staging`` (registered buffers), ``_quarantine`` and ``_ping`` (unreachable
+holders, the master's liveness), ``_replicas`` (where the master says a key is),
+``_master_http`` (the master's HTTP endpoints), ``usage`` (the master's metrics), ``holder``
+and ``_net`` (holder processes and addresses).
 
 May import: ``mmkey.cache`` (protocol, health, guard), ``mmkey.entry``, ``mmkey.keys``,
 ``mmkey.digest``, ``mmkey.errors``, ``mmkey._deadline``, ``mmkey._tensors``, ``mmkey._log``; the

@@ -18,9 +18,11 @@ plain ``memmove``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mmkey._tensors import byte_view
@@ -33,7 +35,16 @@ if TYPE_CHECKING:
 
     from mmkey.entry.auth import EntryKeyring
 
-__all__ = ["ALIGN", "MIN_SLOT", "ReadSlots", "Staging", "aligned", "faulted_in", "stage_entry"]
+__all__ = [
+    "ALIGN",
+    "MIN_SLOT",
+    "ReadSlots",
+    "Staging",
+    "aligned",
+    "faulted_in",
+    "registered",
+    "stage_entry",
+]
 
 ALIGN = 64
 MIN_SLOT = 256 << 10
@@ -86,6 +97,18 @@ def faulted_in(nbytes: int) -> torch.Tensor:
     if not getattr(mmap, "MAP_POPULATE", 0):  # not Linux: touch every page once instead
         ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(memory)), 0, nbytes)
     return torch.frombuffer(memory, dtype=torch.uint8)
+
+
+@contextlib.contextmanager
+def registered(store: MooncakeDistributedStore, buf: torch.Tensor) -> Iterator[int]:
+    """Register `buf` with the store for a zero-copy transfer; yields its address."""
+    ptr = buf.data_ptr()
+    if store.register_buffer(ptr, buf.numel()) != 0:
+        raise StoreError("register_buffer failed")
+    try:
+        yield ptr
+    finally:
+        store.unregister_buffer(ptr)
 
 
 def stage_entry(

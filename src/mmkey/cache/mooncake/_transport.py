@@ -1,11 +1,11 @@
-"""The transport under `MooncakeCache`: set-up and close, lanes, deadlines, breaker, quarantine.
+"""The transport under `MooncakeCache`: set-up and close, lanes, timeouts, breaker, quarantine.
 
 Every binding call runs on a worker thread (a lane) and the caller waits at most until its
 call's give-up time. Metadata calls (``batch_is_exist``, replica lookups, set-up) run on
 their own lane; transfers run on a small pool of lanes, each with its own registered staging
 buffer, so a transfer stuck on a hung holder never holds up a lookup or a transfer from
 another holder. Every lane's staging buffer is allocated (faulted in) and registered at
-set-up, within ``setup_deadline``, so no call pays for it. The binding serves overlapping
+set-up, within ``setup_timeout``, so no call pays for it. The binding serves overlapping
 calls from several threads (measured; the fleet tests run them). The breaker is about the
 master: it opens when a metadata call fails or times out. A transfer that fails or times
 out quarantines the holder it went to instead.
@@ -41,7 +41,18 @@ if TYPE_CHECKING:
     import torch
     from mooncake.store import MooncakeDistributedStore
 
-__all__ = ["Lane", "Pending", "Region", "StoreTransport", "TransferFailed", "close_abandoned"]
+__all__ = [
+    "BUFFER_TOO_SMALL",
+    "RPC_FAILURES",
+    "TRANSFER_FAILURES",
+    "Lane",
+    "Pending",
+    "Region",
+    "StoreTransport",
+    "TransferFailed",
+    "close_abandoned",
+    "out_of_time",
+]
 
 T = TypeVar("T")
 
@@ -53,8 +64,22 @@ _PING_S = 1.0
 """The longest a liveness probe waits for the master (less when the call's time is short)."""
 
 
+RPC_FAILURES = frozenset({-900, -901})
+"""Codes that mean the master did not answer (RPC_FAIL, RPC_TIMEOUT)."""
+BUFFER_TOO_SMALL = -600
+"""The code of a read whose entry is larger than the buffer it was given."""
+TRANSFER_FAILURES = range(-899, -799)
+"""Codes of a transfer that reached the master but not the holder (TRANSFER_FAIL, -800...)."""
+
+
 class TransferFailed(StoreError):
     """A transfer reached the master but not the holder (Mooncake's TRANSFER_FAIL codes)."""
+
+
+def out_of_time(give_up: float) -> None:
+    """Raise `TimeoutError` once the monotonic clock reached `give_up`."""
+    if time.monotonic() >= give_up:
+        raise TimeoutError("the call's deadline passed; the rest is not transferred")
 
 
 def _abandon(*objects: object) -> None:
@@ -129,7 +154,7 @@ class Pending(Generic[T]):
 
 
 class StoreTransport:
-    """One Mooncake store reached through lanes, within deadlines, behind a breaker.
+    """One Mooncake store reached through lanes, within timeouts, behind a breaker.
 
     `meta` runs a metadata function of the store and returns its result, or ``None`` (after
     reporting the failure through `on_error`) when the master is unreachable, the breaker is
@@ -201,9 +226,9 @@ class StoreTransport:
         return self._store is not None and not self.breaker.is_open()
 
     def busy_lanes(self) -> int:
-        """Lanes running a call past the deadline (stuck in the binding)."""
+        """Lanes running a call for longer than the timeout (stuck in the binding)."""
         runners = [self._meta, *(lane.runner for lane in self.lanes)]
-        return sum(runner.is_stuck(self._config.deadline) for runner in runners)
+        return sum(runner.is_stuck(self._config.timeout) for runner in runners)
 
     def master_answers(self, timeout: float) -> bool:
         """Whether the master replies to a request on its RPC port within `timeout` s."""
@@ -245,7 +270,7 @@ class StoreTransport:
         ``None`` when it failed (counted): store errors and timeouts also open the breaker;
         other exceptions of `fn` are only counted.
         """
-        if self._meta.is_stuck(self._config.deadline):
+        if self._meta.is_stuck(self._config.timeout):
             self._on_skip()
             return None
         if not self.ready(give_up):
@@ -267,14 +292,14 @@ class StoreTransport:
 
     def pick_lane(self, taken: set[int]) -> Lane | None:
         """A transfer lane for one more transfer: an idle one first, else one whose call is
-        still within its deadline (queue behind it); ``None`` when every lane is stuck."""
+        still within its timeout (queue behind it); ``None`` when every lane is stuck."""
         free = [i for i in range(len(self.lanes)) if i not in taken]
         for i in free:
             if not self.lanes[i].runner.is_busy():
                 taken.add(i)
                 return self.lanes[i]
         for i in free:
-            if not self.lanes[i].runner.is_stuck(self._config.deadline):
+            if not self.lanes[i].runner.is_stuck(self._config.timeout):
                 taken.add(i)
                 return self.lanes[i]
         return None
@@ -339,7 +364,7 @@ class StoreTransport:
         self._on_error()
 
     def close(self) -> None:
-        """Close the store, waiting at most ``config.deadline``; callers waiting are released.
+        """Close the store, waiting at most ``config.timeout``; callers waiting are released.
 
         The binding's close runs only when every lane has stopped and the master answers
         right before it; otherwise the store is abandoned.
@@ -348,7 +373,7 @@ class StoreTransport:
             if self._closed:
                 return
             self._closed = True
-        give_up = time.monotonic() + self._config.deadline
+        give_up = time.monotonic() + self._config.timeout
         runners = [self._meta, self._prober, *(lane.runner for lane in self.lanes)]
         for runner in runners:
             runner.close()

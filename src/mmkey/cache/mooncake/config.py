@@ -89,8 +89,8 @@ def _protocol(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
 class MooncakeConfig:
     """How to reach a Mooncake store, and how long a cache call may wait for it.
 
-    Field names are Mooncake's own. Sizes are bytes. Deadlines are seconds: no cache
-    call blocks its caller longer than `deadline` (or `setup_deadline` to connect);
+    Field names are Mooncake's own. Sizes are bytes. Timeouts are seconds: no cache
+    call blocks its caller longer than `timeout` (or `setup_timeout` to connect);
     after a failure the store is left alone for `retry_after` seconds.
 
     Where entries live: in the memory segment (`global_segment_size`) of the process that
@@ -121,9 +121,9 @@ class MooncakeConfig:
     mooncake-transfer-engine 0.3.13.post1, a client of one tenant reads, overwrites and
     removes the keys of another (measured against a real master). Separate tenants by
     namespace, and entries from writers without the fleet secret by `EntryKeyring`."""
-    deadline: float = attrs.field(default=0.5, validator=_seconds)
+    timeout: float = attrs.field(default=0.5, validator=_seconds)
     """Seconds one call may block its caller, however many transfers it takes."""
-    setup_deadline: float = attrs.field(default=5.0, validator=_seconds)
+    setup_timeout: float = attrs.field(default=5.0, validator=_seconds)
     """Seconds connecting to the master (and registering staging) may take."""
     retry_after: float = attrs.field(default=1.0, validator=_seconds)
     """Seconds the store is left alone after a failure before it is tried again."""
