@@ -53,6 +53,7 @@ def until_available(sched: object, req: object) -> None:
         assert time.monotonic() < stop
         time.sleep(0.0002)
 
+
 MiB = 1 << 20
 COUNT = 64
 ROWS, HIDDEN = 1024, 3584
@@ -93,12 +94,16 @@ def main() -> None:
     def request(ids: list[str]) -> Request:
         features = [
             MultiModalFeatureSpec(
-                data=None, modality="image", identifier=ident,
+                data=None,
+                modality="image",
+                identifier=ident,
                 mm_position=PlaceholderRange(offset=1 + i * (ROWS + 1), length=ROWS),
             )
             for i, ident in enumerate(ids)
         ]
-        return Request("bench", [0] * (COUNT * (ROWS + 1) + 2), SamplingParams(max_tokens=1), None, mm_features=features)
+        return Request(
+            "bench", [0] * (COUNT * (ROWS + 1) + 2), SamplingParams(max_tokens=1), None, mm_features=features
+        )
 
     with running_master() as master, segment_holder(master.address, "3GB"):
         config = VllmConfig(
@@ -130,7 +135,9 @@ def main() -> None:
         client = MooncakeEmbeddingStoreClient(raw, replicate, read_buffer_bytes=256 * MiB)
         namespace = "embedding@model:bench-model@revision:main@encoder:bench@dtype:torch.bfloat16@protocol:v3"
         try:
-            print(f"vLLM {__import__('vllm').__version__}, {COUNT} x {ROWS} x {HIDDEN} bf16 ({nbytes / MiB:.0f} MiB each)\n")
+            print(
+                f"vLLM {__import__('vllm').__version__}, {COUNT} x {ROWS} x {HIDDEN} bf16 ({nbytes / MiB:.0f} MiB each)\n"
+            )
             print("| operation | vLLM's store client | mmkey connector | mmkey / vLLM | note |")
             print("|---|---|---|---|---|")
 
@@ -171,8 +178,12 @@ def main() -> None:
             totals = producer.totals()
             assert totals.get("saved", 0) + totals.get("save_failures", 0) == 2 * COUNT, totals
             failed = f"; {totals['save_failures']} timed out" if totals.get("save_failures") else ""
-            row(f"save {COUNT} embeddings (until stored)", t_vllm, t_mmkey,
-                f"mmkey's save_caches held the model step {min(held) * 1e3:.1f} ms for all {COUNT}{failed}")
+            row(
+                f"save {COUNT} embeddings (until stored)",
+                t_vllm,
+                t_mmkey,
+                f"mmkey's save_caches held the model step {min(held) * 1e3:.1f} ms for all {COUNT}{failed}",
+            )
 
             # -- lookups: each round new identifiers whose entries exist on both sides (tiny)
             tiny = torch.ones(1, 8, dtype=torch.bfloat16)
@@ -181,12 +192,16 @@ def main() -> None:
             def tiny_request(ids: list[str]) -> Request:
                 features = [
                     MultiModalFeatureSpec(
-                        data=None, modality="image", identifier=ident,
+                        data=None,
+                        modality="image",
+                        identifier=ident,
                         mm_position=PlaceholderRange(offset=1 + i * 2, length=1),
                     )
                     for i, ident in enumerate(ids)
                 ]
-                return Request("tiny", [0] * (COUNT * 2 + 2), SamplingParams(max_tokens=1), None, mm_features=features)
+                return Request(
+                    "tiny", [0] * (COUNT * 2 + 2), SamplingParams(max_tokens=1), None, mm_features=features
+                )
 
             for ids in rounds_ids:
                 req = tiny_request(ids)
@@ -218,8 +233,12 @@ def main() -> None:
                 ids = next(vllm_rounds)
                 assert all(client.batch_exists([make_embedding_key(namespace, i) for i in ids]))
 
-            row(f"scheduler step, {COUNT} hits", best(vllm_lookup, 3), best(mmkey_lookup, 3),
-                "mmkey: ensure_cache_available + has_cache_item x 64, staged; vLLM: batch_exists")
+            row(
+                f"scheduler step, {COUNT} hits",
+                best(vllm_lookup, 3),
+                best(mmkey_lookup, 3),
+                "mmkey: ensure_cache_available + has_cache_item x 64, staged; vLLM: batch_exists",
+            )
             for req in staged_requests:
                 sched.request_finished(req)
 
@@ -249,8 +268,12 @@ def main() -> None:
             def vllm_load() -> None:
                 assert len(client.load_tensors(specs, "cpu")) == COUNT
 
-            row(f"load {COUNT} embeddings", best(vllm_load, 5), best(mmkey_load, 5),
-                "mmkey fetches off the step and verifies every entry (checksum, key, dtype, shape)")
+            row(
+                f"load {COUNT} embeddings",
+                best(vllm_load, 5),
+                best(mmkey_load, 5),
+                "mmkey fetches off the step and verifies every entry (checksum, key, dtype, shape)",
+            )
 
             # -- content keys --------------------------------------------------------------------
             from mmkey.integrations.vllm._settings import content_digest

@@ -47,7 +47,11 @@ def probe(reports: Any, label: str, *rest: object) -> None:
     from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
 
     entry = EmbeddingStoreFactory._registry["mooncake"]
-    report: dict[str, object] = {"label": label, "args": len(rest), "mooncake": f"{entry['module_path']}.{entry['class_name']}"}
+    report: dict[str, object] = {
+        "label": label,
+        "args": len(rest),
+        "mooncake": f"{entry['module_path']}.{entry['class_name']}",
+    }
     if entry["module_path"] == MMKEY_MODULE:
         report.update(create())
     reports.put(report)

@@ -67,7 +67,11 @@ def check_class(real: type, node: ast.ClassDef, where: str) -> list[str]:
                 problems.append(f"{where}.{item.name} is missing")
                 continue
             member = getattr(real, item.name)
-            if isinstance(member, property) or item.name == "__init__" and getattr(real, "__init__") is object.__init__:
+            if (
+                isinstance(member, property)
+                or item.name == "__init__"
+                and getattr(real, "__init__") is object.__init__
+            ):
                 continue
             problems += [f"{where}.{item.name}() takes no {p!r}" for p in accepts(member, item)]
         elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):

@@ -43,7 +43,10 @@ BOUND = DEADLINE + 2.5
 def require_vllm() -> None:
     """Skip the calling test module when vLLM does not import (fail under MMKEY_REQUIRE_VLLM=1)."""
     require_stack(
-        "vllm.distributed.ec_transfer.ec_connector.base", stack="vLLM", require_env=REQUIRE_ENV, make_target="test-vllm"
+        "vllm.distributed.ec_transfer.ec_connector.base",
+        stack="vLLM",
+        require_env=REQUIRE_ENV,
+        make_target="test-vllm",
     )
 
 

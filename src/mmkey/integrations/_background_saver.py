@@ -115,9 +115,7 @@ class BackgroundSaver:
     def counts(self) -> SaverCounts:
         """A snapshot of this saver's counters."""
         with self._cond:
-            return SaverCounts(
-                self._saved, self._failed, self._dropped, self._skipped, self._pending_bytes
-            )
+            return SaverCounts(self._saved, self._failed, self._dropped, self._skipped, self._pending_bytes)
 
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds until every queued save has been written or failed."""

@@ -92,16 +92,13 @@ class PoolTable:
         with self._lock:
             if modality is None:
                 if len(self._pools) >= len(REGISTRATION_ORDER):
-                    raise ValueError(
-                        "a third pool needs its modality: register_pool(tensor, modality)"
-                    )
+                    raise ValueError("a third pool needs its modality: register_pool(tensor, modality)")
                 modality = REGISTRATION_ORDER[len(self._pools)]
             pool = Pool(tensor, modality, pool_start, tensor.numel() * tensor.element_size(), row_bytes)
             for other in self._pools:
                 if pool.start < other.end and other.start < pool.end:
                     raise ValueError(
-                        f"the new {modality.value} pool overlaps the registered "
-                        f"{other.modality.value} pool"
+                        f"the new {modality.value} pool overlaps the registered {other.modality.value} pool"
                     )
             self._pools.append(pool)
         return pool

@@ -293,13 +293,9 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._recent.note(hashes, result)
         return result
 
-    def _plan(
-        self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]
-    ) -> list[_Transfer]:
+    def _plan(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[_Transfer]:
         if not len(hashes) == len(ptrs) == len(sizes):
-            raise ValueError(
-                f"{len(hashes)} hashes, {len(ptrs)} pointer lists and {len(sizes)} size lists"
-            )
+            raise ValueError(f"{len(hashes)} hashes, {len(ptrs)} pointer lists and {len(sizes)} size lists")
         plans: list[_Transfer] = []
         for i, (text, run_ptrs, run_sizes) in enumerate(zip(hashes, ptrs, sizes)):
             try:

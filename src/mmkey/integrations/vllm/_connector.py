@@ -194,9 +194,7 @@ class MMKeyECConnector(ECConnectorBase):
         """
         self._worker.start_load_caches(self._metadata(), encoder_cache)
 
-    def save_caches(
-        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
-    ) -> None:
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Queue the new encoder output of `mm_hash` for a background save.
 
         Only tensor-parallel rank 0 of a producer saves. Returns at once: over the pending
@@ -212,7 +210,6 @@ class MMKeyECConnector(ECConnectorBase):
         """Wait up to ``timeout`` s until the queued saves are written; ``True`` when none is
         left."""
         return self._worker.flush_saves(timeout)
-
 
     def _take_component_counts(self) -> None:
         """Move the saver's and stager's own counts (from their calls' results) into ours."""

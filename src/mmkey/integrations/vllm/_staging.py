@@ -151,9 +151,7 @@ class Stager:
     def counts(self) -> StagerCounts:
         """A snapshot of the counters."""
         with self._cond:
-            return StagerCounts(
-                self._asked, self._staged, self._wrong, self._over, self._errors, self._bytes
-            )
+            return StagerCounts(self._asked, self._staged, self._wrong, self._over, self._errors, self._bytes)
 
     def close(self) -> None:
         """Stop the thread (after its current call) and free everything held."""
