@@ -28,8 +28,8 @@ import time
 import warnings
 
 import torch
-from _common import segment_holder
 
+from _common import segment_holder
 from mmkey import MooncakeConfig
 from mmkey.testing.mooncake_master import running_master
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from typing import Any, cast
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,8 +40,8 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import blake3  # noqa: E402
 import torch  # noqa: E402
-from _common import best, segment_holder  # noqa: E402
 
+from _common import best, segment_holder  # noqa: E402
 from mmkey.testing.mooncake_master import running_master  # noqa: E402
 
 DEFER_LIMIT_S = 30.0
@@ -130,8 +131,8 @@ def main() -> None:
         raw = MooncakeDistributedStore()
         assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 256 * MiB, "tcp", "", master.address) == 0
         replicate = ReplicateConfig()
-        # as vLLM's create_mooncake_embedding_store_client sets it (not in mmkey's stubs)
-        setattr(replicate, "data_type", getattr(mooncake.store, "ObjectDataType").TENSOR)  # noqa: B010
+        # as vLLM's create_mooncake_embedding_store_client sets it (neither name is in mmkey's stubs)
+        cast(Any, replicate).data_type = cast(Any, mooncake.store).ObjectDataType.TENSOR
         client = MooncakeEmbeddingStoreClient(raw, replicate, read_buffer_bytes=256 * MiB)
         namespace = "embedding@model:bench-model@revision:main@encoder:bench@dtype:torch.bfloat16@protocol:v3"
         try:

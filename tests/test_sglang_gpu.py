@@ -27,8 +27,8 @@ from sglang.srt.managers import mm_utils  # noqa: E402
 from sglang.srt.multimodal.modality import Modality as SGLangModality  # noqa: E402
 
 from mmkey import HashScheme, hash_tensor  # noqa: E402
-from mmkey.integrations.sglang._hash import feature_hash  # noqa: E402
 from mmkey.integrations.sglang import MMKeyEmbeddingStore  # noqa: E402
+from mmkey.integrations.sglang._hash import feature_hash  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mooncake]

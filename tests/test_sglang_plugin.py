@@ -28,8 +28,8 @@ require_sglang()
 import sglang.srt.plugins as plugins  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory  # noqa: E402
 
-import mmkey.integrations.sglang._spawn as spawn_hook  # noqa: E402
 import mmkey.integrations.sglang._plugin as integration  # noqa: E402
+import mmkey.integrations.sglang._spawn as spawn_hook  # noqa: E402
 from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore, SGLangConfigError  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
@@ -402,12 +402,13 @@ def encoder_hashes(feature: Any, patches: list[int]) -> list[int]:
     from sglang.srt.multimodal.modality import Modality as SGLangModality
 
     counts = iter(patches)
-    encoder = SimpleNamespace(
+    # stands in for the `MMEncoder` the method is called on
+    encoder: Any = SimpleNamespace(
         preprocessor=SimpleNamespace(get_num_patches=lambda grid, modality: next(counts))
     )
     hashes: list[int] = MMEncoder._calculate_hashes_from_features(
         encoder, feature, patches, SGLangModality.IMAGE
-    )  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    )
     return hashes
 
 

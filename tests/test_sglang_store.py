@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from _support import count_multi_buffer_puts, local_config, raw_client
-from sglang_support import MiB, require_sglang, unpinned_controller, wait_until
+from sglang_support import require_sglang, unpinned_controller, wait_until
 
 require_sglang()
 
@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.embedding_cache_controller import (  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore, EmbeddingStoreFactory  # noqa: E402
 from sglang.srt.multimodal.modality import Modality as SGLangModality  # noqa: E402
 
-from mmkey import EmbeddingKey, MooncakeConfig, Modality  # noqa: E402
+from mmkey import EmbeddingKey, Modality, MooncakeConfig  # noqa: E402
 from mmkey.integrations.sglang import MMKeyEmbeddingStore  # noqa: E402
 from mmkey.integrations.sglang._recent import RecentlyPresent  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402

@@ -70,7 +70,7 @@ def check_class(real: type, node: ast.ClassDef, where: str) -> list[str]:
             if (
                 isinstance(member, property)
                 or item.name == "__init__"
-                and getattr(real, "__init__") is object.__init__
+                and member is object.__init__
             ):
                 continue
             problems += [f"{where}.{item.name}() takes no {p!r}" for p in accepts(member, item)]

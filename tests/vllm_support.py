@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from _support import MiB, require_stack, wait_until
+from _support import require_stack
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM cannot infer a device without one
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
@@ -145,11 +145,15 @@ def request(
     `data`: processed inputs by identifier (vLLM's `MultiModalKwargsItem` of one field,
     ``pixel_values``), as a scheduler sees them; without, the features carry no data.
     """
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.multimodal.inputs import (
+        MultiModalFeatureSpec,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+        MultiModalSharedField,
+        PlaceholderRange,
+    )
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
-
-    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
 
     def item(identifier: str) -> Any:
         if data is None or identifier not in data:

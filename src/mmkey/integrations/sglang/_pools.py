@@ -53,7 +53,7 @@ class Pool:
     def rows(self, ptr: int, size: int) -> torch.Tensor:
         """The rows ``[ptr, ptr + size)`` as a view of the pool; `UnknownBuffer` if not whole rows."""
         offset = ptr - self.start
-        if not (0 <= offset and offset + size <= self.nbytes):
+        if not (offset >= 0 and offset + size <= self.nbytes):
             raise UnknownBuffer(f"[{ptr:#x}, +{size}) lies outside the {self.modality.value} pool")
         if offset % self.row_bytes or size % self.row_bytes or size <= 0:
             raise UnknownBuffer(
