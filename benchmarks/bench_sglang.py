@@ -141,7 +141,8 @@ def main() -> None:
                         side.check()
             nbytes = count * TOKENS * DIM * 2
             print(
-                f"{count} embeddings of {TOKENS} x {DIM} bf16 ({nbytes / MiB:.0f} MiB), pages of {PAGE_TOKENS} tokens"
+                f"{count} embeddings of {TOKENS} x {DIM} bf16 ({nbytes / MiB:.0f} MiB), "
+                f"pages of {PAGE_TOKENS} tokens"
             )
             print(f"{'operation (ms; ratio mmkey/sglang)':44} {'sglang':>9} {'mmkey':>9} {'ratio':>7}")
             for op, label in (

@@ -106,7 +106,7 @@ def fetch(
     assert wait_until(lambda: controller.check_prefetch_progress("req"), 30)
     views = controller.get_pool_views(hashes)
     found = [None if v is None else torch.cat(v).clone() for v in views]
-    controller.release_pool_views([h for h, v in zip(hashes, views) if v is not None])
+    controller.release_pool_views([h for h, v in zip(hashes, views, strict=True) if v is not None])
     return found
 
 
@@ -210,7 +210,7 @@ def test_paged_round_trip_through_sglang_controllers(make_store: Callable[..., M
         # the audio pool has its own keys: an image entry never lands there
         assert fetch(reader, ["123456789"], [tokens], SGLangModality.AUDIO) == [None]
         got = fetch(reader, list(expected), [t.shape[0] for t in expected.values()], image)
-        for t, g in zip(expected.values(), got):
+        for t, g in zip(expected.values(), got, strict=True):
             assert g is not None and torch.equal(g, t)
     stats = reader_store.stats()
     assert (stats.hits, stats.misses, stats.corrupt) == (2, 1, 0)
@@ -249,7 +249,7 @@ def test_puts_go_straight_from_the_pool_pages_and_an_entry_held_already_is_kept(
         publish(writer, list(expected), image)
         assert puts == [3] and upserts == []  # header and pool pages in one multi-buffer put
         got = fetch(reader, list(expected), [t.shape[0] for t in expected.values()], image)
-        assert all(g is not None and torch.equal(g, t) for g, t in zip(got, expected.values()))
+        assert all(g is not None and torch.equal(g, t) for g, t in zip(got, expected.values(), strict=True))
         # another encoder of the fleet encoded the same image meanwhile: its put is kept out
         h = next(iter(expected))
         with reader.lock:

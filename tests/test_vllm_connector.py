@@ -486,15 +486,21 @@ def test_a_model_less_config_needs_a_namespace_and_bad_extra_config_is_refused(
 ) -> None:
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
     monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
-    with pytest.raises(ValueError, match="namespace"):
-        with connector(vllm_config("ec_both", store="memory"), "scheduler"):
-            pass
-    with pytest.raises(ValueError, match="unknown keys"):
-        with connector(vllm_config("ec_both", namespace="n", stor="memory"), "scheduler"):
-            pass
-    with pytest.raises(ValueError, match="MOONCAKE_MASTER"):
-        with connector(vllm_config("ec_both", namespace="n"), "scheduler"):
-            pass
+    with (
+        pytest.raises(ValueError, match="namespace"),
+        connector(vllm_config("ec_both", store="memory"), "scheduler"),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="unknown keys"),
+        connector(vllm_config("ec_both", namespace="n", stor="memory"), "scheduler"),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="MOONCAKE_MASTER"),
+        connector(vllm_config("ec_both", namespace="n"), "scheduler"),
+    ):
+        pass
 
 
 def pixels(seed: int) -> torch.Tensor:

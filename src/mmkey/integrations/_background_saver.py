@@ -178,8 +178,8 @@ class BackgroundSaver:
         if len(present) != len(batch):
             return batch, []
         return (
-            [job for job, p in zip(batch, present) if not p],
-            [job for job, p in zip(batch, present) if p],
+            [job for job, p in zip(batch, present, strict=True) if not p],
+            [job for job, p in zip(batch, present, strict=True) if p],
         )
 
     def _write(self, batch: list[_Job]) -> list[bool]:

@@ -128,4 +128,4 @@ class PoolTable:
                 f"address {ptrs[0]:#x} is in no registered pool; SGLang registers its pools "
                 "with register_buffer() before any transfer"
             )
-        return pool, [pool.rows(ptr, size) for ptr, size in zip(ptrs, sizes)]
+        return pool, [pool.rows(ptr, size) for ptr, size in zip(ptrs, sizes, strict=True)]

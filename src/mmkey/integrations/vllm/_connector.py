@@ -226,7 +226,7 @@ class MMKeyECConnector(ECConnectorBase):
         }
         for part, values in now.items():
             before = self._seen.get(part, (0,) * len(values))
-            self._counts.add(**{n: v - b for n, v, b in zip(names[part], values, before)})
+            self._counts.add(**{n: v - b for n, v, b in zip(names[part], values, before, strict=True)})
             self._seen[part] = values
 
     def get_ec_connector_stats(self) -> ECConnectorStats | None:

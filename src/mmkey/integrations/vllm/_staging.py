@@ -198,7 +198,7 @@ class Stager:
         with self._cond:
             self._asked += len(keys)
             self._errors += int(failed)
-            for (name, entry), tensor, exists in zip(asked, tensors, present):
+            for (name, entry), tensor, exists in zip(asked, tensors, present, strict=True):
                 if self._entries.get(name) is not entry or entry.state is not Staged.PENDING:
                     continue  # released or replaced meanwhile
                 entry.state = self._file(entry, tensor, exists)
