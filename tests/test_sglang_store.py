@@ -450,6 +450,25 @@ def test_a_call_that_raises_forgets_every_remembered_yes(
     assert store.batch_is_exist(["71"]) == [True] and asked == [1]  # asked the store again
 
 
+def test_answers_for_another_number_of_keys_are_misses_for_every_hash(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_store()
+    frozen_memory(store, [0.0])
+    pool, ptrs, sizes = pages(store, 10)
+    pool[:10] = embedding(10, 64, 73)
+    assert store.batch_put_from_multi_buffers(["73"], ptrs, sizes) == [True]
+    store._recent.clear()  # every lookup below asks the cache
+    errors = store.stats().errors
+    real = store.cache.batch_is_exist
+    # one answer short: which hash each answer belongs to is unknown, so none is trusted
+    monkeypatch.setattr(store.cache, "batch_is_exist", lambda keys: real(keys)[:-1])
+    assert store.batch_is_exist(["73", "74"]) == [False, False]
+    monkeypatch.setattr(store.cache, "read_into", lambda keys, targets: [True] * (len(keys) + 1))
+    assert store.batch_get_into_multi_buffers(["73"], ptrs, sizes) == [False]
+    assert store.stats().errors == errors + 2
+
+
 def test_a_remembered_yes_over_a_dead_master_is_a_miss_never_an_embedding(
     mooncake_master: MasterProcess, make_store: Callable[..., MMKeyEmbeddingStore]
 ) -> None:
