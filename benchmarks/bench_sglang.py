@@ -28,8 +28,8 @@ import time
 import warnings
 
 import torch
-from _common import segment_holder
 
+from _common import segment_holder
 from mmkey import MooncakeConfig
 from mmkey.testing.mooncake_master import running_master
 
@@ -125,7 +125,12 @@ def main() -> None:
             for op, repeats in (("put", 3), ("get", 5), ("exist", 200), ("again", 200)):
                 for _ in range(repeats):
                     for name, side in sides.items():
-                        fn = {"put": side.put_fresh, "get": side.get, "exist": side.exist, "again": side.exist}[op]
+                        fn = {
+                            "put": side.put_fresh,
+                            "get": side.get,
+                            "exist": side.exist,
+                            "again": side.exist,
+                        }[op]
                         if op == "exist":
                             side.forget()
                         start = time.perf_counter()
@@ -135,7 +140,10 @@ def main() -> None:
                     for side in sides.values():
                         side.check()
             nbytes = count * TOKENS * DIM * 2
-            print(f"{count} embeddings of {TOKENS} x {DIM} bf16 ({nbytes / MiB:.0f} MiB), pages of {PAGE_TOKENS} tokens")
+            print(
+                f"{count} embeddings of {TOKENS} x {DIM} bf16 ({nbytes / MiB:.0f} MiB), "
+                f"pages of {PAGE_TOKENS} tokens"
+            )
             print(f"{'operation (ms; ratio mmkey/sglang)':44} {'sglang':>9} {'mmkey':>9} {'ratio':>7}")
             for op, label in (
                 ("exist", f"batch_is_exist, {min(count, 64)} hashes, first ask"),

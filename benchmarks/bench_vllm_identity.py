@@ -49,8 +49,10 @@ def main() -> None:
         start = time.perf_counter()
         checkpoint_identity(root)
         again = time.perf_counter() - start
-    print(f"| 7B VLM vision side ({TOWER_BYTES / (1 << 30):.2f} GiB) | first start {first:.2f} s "
-          f"({TOWER_BYTES / first / (1 << 30):.1f} GiB/s) | restart {again * 1e3:.1f} ms |")
+    print(
+        f"| 7B VLM vision side ({TOWER_BYTES / (1 << 30):.2f} GiB) | first start {first:.2f} s "
+        f"({TOWER_BYTES / first / (1 << 30):.1f} GiB/s) | restart {again * 1e3:.1f} ms |"
+    )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,11 @@ def probe(reports: Any, label: str, *rest: object) -> None:
     from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
 
     entry = EmbeddingStoreFactory._registry["mooncake"]
-    report: dict[str, object] = {"label": label, "args": len(rest), "mooncake": f"{entry['module_path']}.{entry['class_name']}"}
+    report: dict[str, object] = {
+        "label": label,
+        "args": len(rest),
+        "mooncake": f"{entry['module_path']}.{entry['class_name']}",
+    }
     if entry["module_path"] == MMKEY_MODULE:
         report.update(create())
     reports.put(report)
@@ -130,8 +134,8 @@ def main(labels: list[str]) -> int:
 
 
 if __name__ == "__mp_main__":  # a spawned child, before its target is unpickled
-    setattr(importlib.import_module(SERVER), "launch_encoder", probe)
-    setattr(importlib.import_module(RUNTIME), "launch_dp_worker", probe)
+    vars(importlib.import_module(SERVER))["launch_encoder"] = probe
+    vars(importlib.import_module(RUNTIME))["launch_dp_worker"] = probe
 
 if __name__ == "__main__":
     sys.exit(finder_ahead() if sys.argv[1:] == ["--finder-ahead"] else main(sys.argv[1:]))

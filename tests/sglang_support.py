@@ -25,13 +25,21 @@ REQUIRE_ENV = "MMKEY_REQUIRE_SGLANG"
 def require_sglang() -> None:
     """Skip the calling test module when SGLang does not import (fail under MMKEY_REQUIRE_SGLANG=1)."""
     require_stack(
-        "sglang.srt.mem_cache.embedding_store", stack="SGLang", require_env=REQUIRE_ENV, make_target="test-sglang"
+        "sglang.srt.mem_cache.embedding_store",
+        stack="SGLang",
+        require_env=REQUIRE_ENV,
+        make_target="test-sglang",
     )
 
 
 @contextlib.contextmanager
 def unpinned_controller(
-    store: EmbeddingStore, dims: dict[str, int], dtype: torch.dtype, pool_mib: float = 8.0, *, pinned: bool = False
+    store: EmbeddingStore,
+    dims: dict[str, int],
+    dtype: torch.dtype,
+    pool_mib: float = 8.0,
+    *,
+    pinned: bool = False,
 ) -> Iterator[EmbeddingCacheController]:
     """SGLang's own `EmbeddingCacheController` with its pools in pageable memory (pinned, as
     SGLang makes them, with `pinned`: that needs an NVIDIA driver).

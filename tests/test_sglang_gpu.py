@@ -27,8 +27,8 @@ from sglang.srt.managers import mm_utils  # noqa: E402
 from sglang.srt.multimodal.modality import Modality as SGLangModality  # noqa: E402
 
 from mmkey import HashScheme, hash_tensor  # noqa: E402
-from mmkey.integrations.sglang._hash import feature_hash  # noqa: E402
 from mmkey.integrations.sglang import MMKeyEmbeddingStore  # noqa: E402
+from mmkey.integrations.sglang._hash import feature_hash  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mooncake]
@@ -38,7 +38,9 @@ DTYPE = torch.bfloat16
 
 
 @pytest.fixture
-def stores(mooncake_master_session: MasterProcess) -> Iterator[tuple[MMKeyEmbeddingStore, MMKeyEmbeddingStore]]:
+def stores(
+    mooncake_master_session: MasterProcess,
+) -> Iterator[tuple[MMKeyEmbeddingStore, MMKeyEmbeddingStore]]:
     made = [
         MMKeyEmbeddingStore(namespace="gpu-model", config=local_config(mooncake_master_session, deadline=2.0))
         for _ in range(2)
@@ -56,9 +58,10 @@ def test_cuda_embeddings_round_trip_through_pinned_pools(
     pixels = torch.randn(4, 3, 224, 224, device="cuda")
     mm_hash = str(mm_utils.hash_feature(pixels))  # SGLang's GPU hash of a CUDA feature
     embedding = torch.randn(300, 64, device="cuda").to(DTYPE)
-    with unpinned_controller(writer_store, DIMS, DTYPE, pinned=True) as writer, unpinned_controller(
-        reader_store, DIMS, DTYPE, pinned=True
-    ) as reader:
+    with (
+        unpinned_controller(writer_store, DIMS, DTYPE, pinned=True) as writer,
+        unpinned_controller(reader_store, DIMS, DTYPE, pinned=True) as reader,
+    ):
         assert writer.vision_pool.tensor.is_pinned()
         writer.wait_store_to_pool(writer.store_to_pool_async([mm_hash], [embedding], image))
         writer.insert_batch([mm_hash], image)

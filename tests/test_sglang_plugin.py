@@ -28,8 +28,8 @@ require_sglang()
 import sglang.srt.plugins as plugins  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory  # noqa: E402
 
-import mmkey.integrations.sglang._spawn as spawn_hook  # noqa: E402
 import mmkey.integrations.sglang._plugin as integration  # noqa: E402
+import mmkey.integrations.sglang._spawn as spawn_hook  # noqa: E402
 from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore, SGLangConfigError  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
@@ -44,7 +44,9 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     for target in spawn_hook.SPAWN_TARGETS:
         if target.module in sys.modules and hasattr(sys.modules[target.module], target.name):
-            monkeypatch.setattr(sys.modules[target.module], target.name, getattr(sys.modules[target.module], target.name))
+            monkeypatch.setattr(
+                sys.modules[target.module], target.name, getattr(sys.modules[target.module], target.name)
+            )
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
     monkeypatch.setattr(integration, "_plugin_errors", None)
     monkeypatch.setattr(spawn_hook, "_problems", {})
@@ -109,7 +111,11 @@ def test_switch_makes_the_mooncake_backend_name_create_mmkeys_store(
     ],
 )
 def test_once_opted_in_a_configuration_error_makes_the_encoder_refuse_to_start(
-    fresh_loader: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, variable: str, value: str, message: str
+    fresh_loader: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    variable: str,
+    value: str,
+    message: str,
 ) -> None:
     fresh_loader.setenv(BACKEND_ENV, "1")
     fresh_loader.setenv(variable, value)
@@ -179,7 +185,9 @@ def test_switch_on_makes_sglangs_spawning_modules_start_mmkeys_entry_points(
         assert runtime.launch_encoder is grpc_server.launch_encoder is spawn_hook.launch_encoder
         assert runtime.launch_dp_worker is spawn_hook.launch_dp_worker
         assert server.launch_encoder is sglang_launch_encoder  # SGLang's own stays where it is defined
-        assert spawn_hook.original_of(spawn_hook.RUNTIME_MODULE, "launch_dp_worker") is sglang_launch_dp_worker
+        assert (
+            spawn_hook.original_of(spawn_hook.RUNTIME_MODULE, "launch_dp_worker") is sglang_launch_dp_worker
+        )
         assert spawn_hook.original_of(spawn_hook.SERVER_MODULE, "launch_encoder") is sglang_launch_encoder
         assert len(mmkey_finders()) == 1
     # spawn pickles a target by reference: the child imports mmkey's function, not SGLang's
@@ -246,7 +254,9 @@ def test_a_spawning_module_loaded_past_mmkeys_finder_is_detected(
     plugins.load_plugins()
     assert integration.plugin_errors() == []
     # what a finder ahead of mmkey's leaves behind: the module as SGLang wrote it
-    fresh_loader.setattr(runtime, "launch_encoder", spawn_hook.original_of(spawn_hook.SERVER_MODULE, "launch_encoder"))
+    fresh_loader.setattr(
+        runtime, "launch_encoder", spawn_hook.original_of(spawn_hook.SERVER_MODULE, "launch_encoder")
+    )
     with pytest.raises(SGLangConfigError, match="imported without mmkey's patch of launch_encoder"):
         EmbeddingStoreFactory.create_backend("mooncake")
 
@@ -274,13 +284,19 @@ def run_probe(labels: tuple[str, ...], env: dict[str, str], timeout: float = 400
 
 def probe_env(switch: str, master: MasterProcess, **more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", BACKEND_ENV)}
-    env.update({BACKEND_ENV: switch, "MMKEY_NAMESPACE": "spawned-model", "PYTHONPATH": os.pathsep.join(sys.path)})
-    env.update(MOONCAKE_MASTER=master.address, MOONCAKE_GLOBAL_SEGMENT_SIZE="16MB", MOONCAKE_LOCAL_BUFFER_SIZE="16MB")
+    env.update(
+        {BACKEND_ENV: switch, "MMKEY_NAMESPACE": "spawned-model", "PYTHONPATH": os.pathsep.join(sys.path)}
+    )
+    env.update(
+        MOONCAKE_MASTER=master.address, MOONCAKE_GLOBAL_SEGMENT_SIZE="16MB", MOONCAKE_LOCAL_BUFFER_SIZE="16MB"
+    )
     env.update(MOONCAKE_PROTOCOL="tcp", **more)
     return env
 
 
-def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store_or_refuse(mooncake_master_session: MasterProcess) -> None:
+def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store_or_refuse(
+    mooncake_master_session: MasterProcess,
+) -> None:
     # server.launch_encoder is SGLang's own entry point, spawned directly as without the plugin:
     # the control that shows the probe sees SGLang's store where mmkey's is not registered.
     # A gRPC TP rank and a DP worker are started without MMKEY_NAMESPACE: they refuse to start.
@@ -333,7 +349,9 @@ def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugi
         relative = Path(*module.split(".")).with_suffix(".py")
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(site / relative, tmp_path / relative)
-    done = subprocess.run(["patch", "-p1", "-d", str(tmp_path), "-i", str(patch_file)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["patch", "-p1", "-d", str(tmp_path), "-i", str(patch_file)], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     for module, name in files.items():
         relative = Path(*module.split(".")).with_suffix(".py")
@@ -341,7 +359,9 @@ def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugi
         function = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
         assert spawn_hook.loads_plugins_itself(types.FunctionType(function, {}))
         original = getattr(importlib.import_module(module), name)
-        assert not spawn_hook.loads_plugins_itself(spawn_hook.original_of(module, name) if original.__module__.startswith("mmkey") else original)
+        assert not spawn_hook.loads_plugins_itself(
+            spawn_hook.original_of(module, name) if original.__module__.startswith("mmkey") else original
+        )
 
 
 # -- MMKEY_SGLANG_HASH=blake3: 128-bit feature hashes through SGLang's hook registry ----------
@@ -363,7 +383,9 @@ def blake3_plugin(fresh_loader: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPat
     fresh_loader.setattr(HookRegistry, "_patched", set())
     fresh_loader.setattr(hashing, "_installed", False)
     fresh_loader.setattr(mm_utils, "tensor_hash", mm_utils.tensor_hash)
-    fresh_loader.setattr(MMEncoder, "_calculate_hashes_from_features", MMEncoder._calculate_hashes_from_features)
+    fresh_loader.setattr(
+        MMEncoder, "_calculate_hashes_from_features", MMEncoder._calculate_hashes_from_features
+    )
     fresh_loader.setenv(BACKEND_ENV, "1")
     fresh_loader.setenv("MMKEY_SGLANG_HASH", "blake3")
     plugins.load_plugins()
@@ -380,8 +402,13 @@ def encoder_hashes(feature: Any, patches: list[int]) -> list[int]:
     from sglang.srt.multimodal.modality import Modality as SGLangModality
 
     counts = iter(patches)
-    encoder = SimpleNamespace(preprocessor=SimpleNamespace(get_num_patches=lambda grid, modality: next(counts)))
-    hashes: list[int] = MMEncoder._calculate_hashes_from_features(encoder, feature, patches, SGLangModality.IMAGE)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    # stands in for the `MMEncoder` the method is called on
+    encoder: Any = SimpleNamespace(
+        preprocessor=SimpleNamespace(get_num_patches=lambda grid, modality: next(counts))
+    )
+    hashes: list[int] = MMEncoder._calculate_hashes_from_features(
+        encoder, feature, patches, SGLangModality.IMAGE
+    )
     return hashes
 
 

@@ -79,10 +79,15 @@ def test_a_yes_lasts_between_half_the_hold_and_the_hold() -> None:
     assert not recent.all_present(["c"])  # a whole hold
 
 
-@given(st.lists(st.tuples(st.sampled_from("abcd"), st.booleans()), max_size=20), st.lists(st.sampled_from("abcd"), max_size=4))
+@given(
+    st.lists(st.tuples(st.sampled_from("abcd"), st.booleans()), max_size=20),
+    st.lists(st.sampled_from("abcd"), max_size=4),
+)
 @example([("a", True), ("a", False)], ["a"])
 @example([("a", False), ("a", True)], ["a"])
-def test_answers_follow_the_last_answer_of_each_hash(answers: list[tuple[str, bool]], asked: list[str]) -> None:
+def test_answers_follow_the_last_answer_of_each_hash(
+    answers: list[tuple[str, bool]], asked: list[str]
+) -> None:
     recent = RecentlyPresent(1.0, 100, clock=lambda: 0.0)
     last: dict[str, bool] = {}
     for text, yes in answers:

@@ -126,7 +126,11 @@ def test_sglangs_config_file_is_honoured_over_the_variables(tmp_path: Path) -> N
         },
     )
     settings = settings_from_env(
-        {"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": path, "MOONCAKE_MASTER": "elsewhere:1", "MOONCAKE_PROTOCOL": "tcp"}
+        {
+            "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": path,
+            "MOONCAKE_MASTER": "elsewhere:1",
+            "MOONCAKE_PROTOCOL": "tcp",
+        }
     )
     config = settings.config
     assert config.master_server_address == "10.0.0.9:50051"  # the file wins, as in SGLang
@@ -136,7 +140,10 @@ def test_sglangs_config_file_is_honoured_over_the_variables(tmp_path: Path) -> N
     assert settings.source == f"file {path}"
     assert f"(from file {path})" in settings.describe() and "protocol=tcp" in settings.describe()
     # SGLang: the process's host name variables win over the shared file
-    assert config_from_env({"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": path, "LOCAL_HOSTNAME": "h"}).local_hostname == "h"
+    assert (
+        config_from_env({"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": path, "LOCAL_HOSTNAME": "h"}).local_hostname
+        == "h"
+    )
     assert config_from_env({"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": path}).protocol == "rdma"
 
 
@@ -151,7 +158,9 @@ def test_sglangs_config_file_is_honoured_over_the_variables(tmp_path: Path) -> N
         ({"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": "/nonexistent/mc.json"}, "cannot read a JSON config"),
     ],
 )
-def test_what_the_store_cannot_use_is_a_configuration_error_naming_the_fix(env: dict[str, str], message: str) -> None:
+def test_what_the_store_cannot_use_is_a_configuration_error_naming_the_fix(
+    env: dict[str, str], message: str
+) -> None:
     with pytest.raises(SGLangConfigError, match=message):
         config_from_env(env)
 
@@ -172,6 +181,11 @@ def test_mooncake_client_beside_a_master_is_noted_not_used() -> None:
 
 def test_mooncake_variables_are_read_only_the_sglang_way() -> None:
     # MOONCAKE_CONFIG_PATH is Mooncake's own file variable, which SGLang's backend does not read
-    settings = settings_from_env({"MOONCAKE_MASTER": "m:1", "MOONCAKE_CONFIG_PATH": "/nonexistent/mooncake.json"})
+    settings = settings_from_env(
+        {"MOONCAKE_MASTER": "m:1", "MOONCAKE_CONFIG_PATH": "/nonexistent/mooncake.json"}
+    )
     assert settings.config.master_server_address == "m:1"
-    assert "MOONCAKE_CONFIG_PATH not read (SGLang's backend reads SGLANG_HICACHE_MOONCAKE_CONFIG_PATH)" in settings.describe()
+    assert (
+        "MOONCAKE_CONFIG_PATH not read (SGLang's backend reads SGLANG_HICACHE_MOONCAKE_CONFIG_PATH)"
+        in settings.describe()
+    )

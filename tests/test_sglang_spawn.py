@@ -45,23 +45,23 @@ def test_a_named_module_is_patched_after_it_executes_and_again_on_reload(isolate
     seen: list[str] = []
 
     def patch(module: ModuleType) -> None:
-        seen.append(getattr(module, "launch")())
-        setattr(module, "launch", lambda: "patched")
+        seen.append(module.launch())
+        vars(module)["launch"] = lambda: "patched"
 
     sys.meta_path.insert(0, spawn_hook.PatchAfterImport({name}, patch))
     module = importlib.import_module(name)
-    assert seen == ["original"] and getattr(module, "launch")() == "patched"
+    assert seen == ["original"] and module.launch() == "patched"
     assert "return 'original'" in inspect.getsource(module)  # the module's own loader still answers
     importlib.reload(module)
-    assert seen == ["original", "original"] and getattr(module, "launch")() == "patched"
+    assert seen == ["original", "original"] and module.launch() == "patched"
     assert type(importlib.import_module(other).__loader__).__name__ == "SourceFileLoader"
 
 
 def test_two_finders_for_one_module_both_patch_in_turn(isolated_imports: Path) -> None:
     name = write_module(isolated_imports, "ORDER = []\n")
     sys.meta_path[:0] = [
-        spawn_hook.PatchAfterImport({name}, lambda m: getattr(m, "ORDER").append("first")),
-        spawn_hook.PatchAfterImport({name}, lambda m: getattr(m, "ORDER").append("second")),
+        spawn_hook.PatchAfterImport({name}, lambda m: m.ORDER.append("first")),
+        spawn_hook.PatchAfterImport({name}, lambda m: m.ORDER.append("second")),
     ]
     assert importlib.import_module(name).ORDER == ["second", "first"]  # the inner loader runs first
 

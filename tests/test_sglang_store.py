@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from _support import count_multi_buffer_puts, local_config, raw_client
-from sglang_support import MiB, require_sglang, unpinned_controller, wait_until
+from sglang_support import require_sglang, unpinned_controller, wait_until
 
 require_sglang()
 
@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.embedding_cache_controller import (  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore, EmbeddingStoreFactory  # noqa: E402
 from sglang.srt.multimodal.modality import Modality as SGLangModality  # noqa: E402
 
-from mmkey import EmbeddingKey, MooncakeConfig, Modality  # noqa: E402
+from mmkey import EmbeddingKey, Modality, MooncakeConfig  # noqa: E402
 from mmkey.integrations.sglang import MMKeyEmbeddingStore  # noqa: E402
 from mmkey.integrations.sglang._recent import RecentlyPresent  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
@@ -65,7 +65,9 @@ def make_store(mooncake_master_session: MasterProcess) -> Iterator[Callable[...,
         store.close()
 
 
-def fill(controller: EmbeddingCacheController, mm_hash: str, tensor: torch.Tensor, modality: SGLangModality) -> None:
+def fill(
+    controller: EmbeddingCacheController, mm_hash: str, tensor: torch.Tensor, modality: SGLangModality
+) -> None:
     """Put `tensor` into the controller's host pool as a READY entry.
 
     Stands in for SGLang's `store_to_pool_async`, which copies from a CUDA tensor; the page
@@ -104,20 +106,23 @@ def fetch(
     assert wait_until(lambda: controller.check_prefetch_progress("req"), 30)
     views = controller.get_pool_views(hashes)
     found = [None if v is None else torch.cat(v).clone() for v in views]
-    controller.release_pool_views([h for h, v in zip(hashes, views) if v is not None])
+    controller.release_pool_views([h for h, v in zip(hashes, views, strict=True) if v is not None])
     return found
 
 
 @contextlib.contextmanager
 def two_encoders(
     make_store: Callable[..., MMKeyEmbeddingStore],
-) -> Iterator[tuple[MMKeyEmbeddingStore, EmbeddingCacheController, MMKeyEmbeddingStore, EmbeddingCacheController]]:
+) -> Iterator[
+    tuple[MMKeyEmbeddingStore, EmbeddingCacheController, MMKeyEmbeddingStore, EmbeddingCacheController]
+]:
     """Two encode servers of one fleet: a writer and a reader, each SGLang's controller on a
     store of its own (``writer_store, writer, reader_store, reader``)."""
     writer_store, reader_store = make_store(), make_store()
-    with unpinned_controller(writer_store, DIMS, DTYPE) as writer, unpinned_controller(
-        reader_store, DIMS, DTYPE
-    ) as reader:
+    with (
+        unpinned_controller(writer_store, DIMS, DTYPE) as writer,
+        unpinned_controller(reader_store, DIMS, DTYPE) as reader,
+    ):
         yield writer_store, writer, reader_store, reader
 
 
@@ -154,7 +159,10 @@ def test_factory_creates_it_from_the_environment(
         EmbeddingStoreFactory.create_backend("mmkey").close()  # type: ignore[attr-defined]
     starts = [r.getMessage() for r in caplog.records if "mmkey SGLang store:" in r.getMessage()]
     assert len(starts) == 1  # the effective configuration, once per process
-    assert f"namespace=factory-model hashes=sglang master={mooncake_master_session.address} protocol=tcp" in starts[0]
+    assert (
+        f"namespace=factory-model hashes=sglang master={mooncake_master_session.address} protocol=tcp"
+        in starts[0]
+    )
     assert "(from environment)" in starts[0]
     try:
         assert isinstance(store, MMKeyEmbeddingStore)
@@ -202,7 +210,7 @@ def test_paged_round_trip_through_sglang_controllers(make_store: Callable[..., M
         # the audio pool has its own keys: an image entry never lands there
         assert fetch(reader, ["123456789"], [tokens], SGLangModality.AUDIO) == [None]
         got = fetch(reader, list(expected), [t.shape[0] for t in expected.values()], image)
-        for t, g in zip(expected.values(), got):
+        for t, g in zip(expected.values(), got, strict=True):
             assert g is not None and torch.equal(g, t)
     stats = reader_store.stats()
     assert (stats.hits, stats.misses, stats.corrupt) == (2, 1, 0)
@@ -241,7 +249,7 @@ def test_puts_go_straight_from_the_pool_pages_and_an_entry_held_already_is_kept(
         publish(writer, list(expected), image)
         assert puts == [3] and upserts == []  # header and pool pages in one multi-buffer put
         got = fetch(reader, list(expected), [t.shape[0] for t in expected.values()], image)
-        assert all(g is not None and torch.equal(g, t) for g, t in zip(got, expected.values()))
+        assert all(g is not None and torch.equal(g, t) for g, t in zip(got, expected.values(), strict=True))
         # another encoder of the fleet encoded the same image meanwhile: its put is kept out
         h = next(iter(expected))
         with reader.lock:
@@ -266,7 +274,10 @@ def test_racing_encoders_write_one_image_once(
     pages_of = [pages(store, 30) for store in stores]
     for pool, _, _ in pages_of:
         pool[:30] = embedding(30, 64, 123)  # the same image, encoded by each
-    put = [lambda i=i: stores[i].batch_put_from_multi_buffers(["321"], pages_of[i][1], pages_of[i][2]) for i in range(5)]
+    put = [
+        lambda i=i: stores[i].batch_put_from_multi_buffers(["321"], pages_of[i][1], pages_of[i][2])
+        for i in range(5)
+    ]
     with concurrent.futures.ThreadPoolExecutor(3) as racing:
         results = list(racing.map(lambda call: call(), put[:3]))
     # a put that looked while another was landing may fail (SGLang then keeps its local
@@ -326,7 +337,9 @@ def test_audio_pool_round_trip_and_exists_in_any_pool(make_store: Callable[..., 
         fill(writer, "77", clip, audio)
         publish(writer, ["77"], audio)
         assert reader_store.batch_is_exist(["77", "78"]) == [True, False]
-        assert writer_store.key_for("77", Modality.AUDIO).to_key().startswith("mmk1@qwen2.5-vl-7b%40rev1@audio@")
+        assert (
+            writer_store.key_for("77", Modality.AUDIO).to_key().startswith("mmk1@qwen2.5-vl-7b%40rev1@audio@")
+        )
         got = fetch(reader, ["77"], [700], audio)
         assert got[0] is not None and torch.equal(got[0], clip)
 
@@ -398,7 +411,9 @@ def test_a_recent_yes_is_answered_from_memory_until_it_expires(
 
 
 def test_an_entry_removed_behind_a_remembered_yes_is_a_miss_and_forgotten(
-    make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch
+    make_store: Callable[..., MMKeyEmbeddingStore],
+    mooncake_master_session: MasterProcess,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     writer, reader = make_store(), make_store()
     frozen_memory(reader, [0.0])
@@ -435,6 +450,25 @@ def test_a_call_that_raises_forgets_every_remembered_yes(
     assert store.batch_is_exist(["71"]) == [True] and asked == [1]  # asked the store again
 
 
+def test_answers_for_another_number_of_keys_are_misses_for_every_hash(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_store()
+    frozen_memory(store, [0.0])
+    pool, ptrs, sizes = pages(store, 10)
+    pool[:10] = embedding(10, 64, 73)
+    assert store.batch_put_from_multi_buffers(["73"], ptrs, sizes) == [True]
+    store._recent.clear()  # every lookup below asks the cache
+    errors = store.stats().errors
+    real = store.cache.batch_is_exist
+    # one answer short: which hash each answer belongs to is unknown, so none is trusted
+    monkeypatch.setattr(store.cache, "batch_is_exist", lambda keys: real(keys)[:-1])
+    assert store.batch_is_exist(["73", "74"]) == [False, False]
+    monkeypatch.setattr(store.cache, "read_into", lambda keys, targets: [True] * (len(keys) + 1))
+    assert store.batch_get_into_multi_buffers(["73"], ptrs, sizes) == [False]
+    assert store.stats().errors == errors + 2
+
+
 def test_a_remembered_yes_over_a_dead_master_is_a_miss_never_an_embedding(
     mooncake_master: MasterProcess, make_store: Callable[..., MMKeyEmbeddingStore]
 ) -> None:
@@ -456,7 +490,9 @@ def test_a_remembered_yes_over_a_dead_master_is_a_miss_never_an_embedding(
 # -- what never verifies ------------------------------------------------------------------------
 
 
-def pages(store: MMKeyEmbeddingStore, tokens: int, dim: int = 64) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
+def pages(
+    store: MMKeyEmbeddingStore, tokens: int, dim: int = 64
+) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
     """A registered vision pool and one run of `tokens` rows at its start."""
     pool = torch.zeros(4096, dim, dtype=DTYPE)
     store.register_buffer(pool)
@@ -499,7 +535,9 @@ def test_entry_of_another_namespace_is_a_miss_and_never_served(
     assert not dst.any()
 
 
-def test_entry_that_does_not_fit_the_pages_is_a_counted_miss(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
+def test_entry_that_does_not_fit_the_pages_is_a_counted_miss(
+    make_store: Callable[..., MMKeyEmbeddingStore],
+) -> None:
     writer, reader = make_store(), make_store()
     src, ptrs, sizes = pages(writer, 20, dim=64)
     src[:20] = embedding(20, 64, 3)
@@ -518,9 +556,15 @@ def test_bad_hash_text_and_unknown_memory_are_misses_not_exceptions(
     elsewhere = torch.zeros(4, 64, dtype=DTYPE)
     with caplog.at_level(logging.ERROR, logger="mmkey.integrations.sglang"):
         assert store.batch_is_exist(["12", "012", "-3", "abc"]) == [False] * 4
-        assert store.batch_put_from_multi_buffers(["", "10"], ptrs * 2, [[8 * 64 * 2]] + sizes) == [False, True]
+        assert store.batch_put_from_multi_buffers(["", "10"], ptrs * 2, [[8 * 64 * 2]] + sizes) == [
+            False,
+            True,
+        ]
         assert store.batch_get_into_multi_buffers(["10"], [[elsewhere.data_ptr()]], sizes) == [False]
-        assert store.batch_get_into_multi_buffers(["10", "10"], ptrs, sizes) == [False, False]  # lengths differ
+        assert store.batch_get_into_multi_buffers(["10", "10"], ptrs, sizes) == [
+            False,
+            False,
+        ]  # lengths differ
     assert "must not be empty" in caplog.text
     assert "no registered pool" in caplog.text
     assert store.stats().skipped >= 2
@@ -550,7 +594,9 @@ def timed(fn: Callable[[], list[bool]]) -> tuple[list[bool], float]:
     return result, time.monotonic() - start
 
 
-def every_call(store: MMKeyEmbeddingStore, ptrs: list[list[int]], sizes: list[list[int]]) -> list[Callable[[], list[bool]]]:
+def every_call(
+    store: MMKeyEmbeddingStore, ptrs: list[list[int]], sizes: list[list[int]]
+) -> list[Callable[[], list[bool]]]:
     return [
         lambda: store.batch_is_exist(["1", "2"]),
         lambda: store.batch_get_into_multi_buffers(["1"], ptrs, sizes),
@@ -602,7 +648,9 @@ def test_controller_io_thread_is_never_stalled_by_a_hung_master(
 # -- the rest of the surface --------------------------------------------------------------------
 
 
-def test_single_buffer_calls_and_explicit_pool_modality(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
+def test_single_buffer_calls_and_explicit_pool_modality(
+    make_store: Callable[..., MMKeyEmbeddingStore],
+) -> None:
     writer, reader = make_store(), make_store()
     video = torch.zeros(256, 64, dtype=DTYPE)
     writer.register_pool(video, Modality.VIDEO)

@@ -80,7 +80,19 @@ def test_one_instance_saves_another_finds_and_loads(
         assert p_worker.totals()["saved"] == 2
 
         with connector(consumer_cfg, "scheduler") as c_sched, vllm_worker_agent(consumer_cfg) as agent:
-            meta, hits = schedule(c_sched, [request("b", [("caller-uuid-7", "image", 24), ("5f1c9d00aa", "image", 16), ("new-image", "image", 8)])])
+            meta, hits = schedule(
+                c_sched,
+                [
+                    request(
+                        "b",
+                        [
+                            ("caller-uuid-7", "image", 24),
+                            ("5f1c9d00aa", "image", 16),
+                            ("new-image", "image", 8),
+                        ],
+                    )
+                ],
+            )
             assert hits == ["caller-uuid-7", "5f1c9d00aa"]
             assert [i.identifier for i in meta.loads] == ["caller-uuid-7", "5f1c9d00aa"]
             encoder_cache: dict[str, torch.Tensor] = {}
@@ -138,7 +150,10 @@ def test_an_entry_of_another_size_or_a_corrupt_one_is_never_claimed(
         from mooncake.store import MooncakeDistributedStore
 
         raw = MooncakeDistributedStore()
-        assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 16 * MiB, "tcp", "", mooncake_master.address) == 0
+        assert (
+            raw.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 16 * MiB, "tcp", "", mooncake_master.address)
+            == 0
+        )
         try:
             text = sched.key("flipped", Modality.IMAGE).to_key()
             entry = bytearray(raw.get(text))
@@ -185,7 +200,9 @@ def test_a_hung_or_dead_master_is_a_miss_within_the_deadline_and_recovers(
             caplog.set_level(logging.WARNING, logger="mmkey.integrations.vllm")
             for attempt in range(3):
                 start = time.monotonic()
-                meta, hits = schedule(sched, [request(f"f{attempt}", [("kept", "image", 4), ("other", "image", 4)])])
+                meta, hits = schedule(
+                    sched, [request(f"f{attempt}", [("kept", "image", 4), ("other", "image", 4)])]
+                )
                 assert time.monotonic() - start < BOUND
                 assert hits == []
             # a load planned before the fault needs no store: the tensor was staged
@@ -282,7 +299,14 @@ def test_a_producer_skips_what_is_stored_and_saves_the_rest() -> None:
 
 
 # vLLM keys its own encoder cache by identifier alone: one identifier, one modality
-_MEDIA = [("a", "image"), ("b", "video"), ("c", "audio"), ("0a", "image"), ("A", "video"), ("uuid-1", "audio")]
+_MEDIA = [
+    ("a", "image"),
+    ("b", "video"),
+    ("c", "audio"),
+    ("0a", "image"),
+    ("A", "video"),
+    ("uuid-1", "audio"),
+]
 item_lists = st.lists(
     st.tuples(st.sampled_from(_MEDIA), st.integers(1, 6)).map(lambda t: (t[0][0], t[0][1], t[1])),
     min_size=1,
@@ -292,7 +316,9 @@ item_lists = st.lists(
 
 @settings(max_examples=25)
 @given(st.lists(item_lists, min_size=1, max_size=6))
-def test_whatever_the_requests_a_load_is_exactly_what_was_encoded(requests: list[list[tuple[str, str, int]]]) -> None:
+def test_whatever_the_requests_a_load_is_exactly_what_was_encoded(
+    requests: list[list[tuple[str, str, int]]],
+) -> None:
     """Any sequence of requests on one ec_both node: every loaded output is the one encoded for
     that identifier, modality and row count; nothing else is ever put in the encoder cache."""
 
@@ -416,9 +442,16 @@ def test_the_namespace_names_model_revision_multimodal_config_dtype_and_quantiza
 
     from vllm.config import MultiModalConfig, VllmConfig
 
-    def namespace(model: str = "Qwen/Qwen2-VL-7B", revision: str | None = None, dtype: object = torch.bfloat16,
-                  mm: MultiModalConfig | None = None, **more: object) -> str:
-        model_config = SimpleNamespace(model=model, revision=revision, dtype=dtype, multimodal_config=mm, **more)
+    def namespace(
+        model: str = "Qwen/Qwen2-VL-7B",
+        revision: str | None = None,
+        dtype: object = torch.bfloat16,
+        mm: MultiModalConfig | None = None,
+        **more: object,
+    ) -> str:
+        model_config = SimpleNamespace(
+            model=model, revision=revision, dtype=dtype, multimodal_config=mm, **more
+        )
         return namespace_from_vllm_config(cast(VllmConfig, SimpleNamespace(model_config=model_config)))
 
     base = namespace(mm=MultiModalConfig())
@@ -453,15 +486,21 @@ def test_a_model_less_config_needs_a_namespace_and_bad_extra_config_is_refused(
 ) -> None:
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
     monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
-    with pytest.raises(ValueError, match="namespace"):
-        with connector(vllm_config("ec_both", store="memory"), "scheduler"):
-            pass
-    with pytest.raises(ValueError, match="unknown keys"):
-        with connector(vllm_config("ec_both", namespace="n", stor="memory"), "scheduler"):
-            pass
-    with pytest.raises(ValueError, match="MOONCAKE_MASTER"):
-        with connector(vllm_config("ec_both", namespace="n"), "scheduler"):
-            pass
+    with (
+        pytest.raises(ValueError, match="namespace"),
+        connector(vllm_config("ec_both", store="memory"), "scheduler"),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="unknown keys"),
+        connector(vllm_config("ec_both", namespace="n", stor="memory"), "scheduler"),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="MOONCAKE_MASTER"),
+        connector(vllm_config("ec_both", namespace="n"), "scheduler"),
+    ):
+        pass
 
 
 def pixels(seed: int) -> torch.Tensor:
@@ -505,7 +544,9 @@ def test_a_consumer_waits_for_what_a_producer_announced() -> None:
         _, params = p_sched.request_finished(req)
         assert params == {"mmkey": {"encoded": [meta.saves["img"].to_key()]}}
         with connector(cfg, "scheduler") as c_sched:
-            c_req = request("c", [("img-on-c", "image", 4)], data={"img-on-c": pixels(3)}, ec_transfer_params=params)
+            c_req = request(
+                "c", [("img-on-c", "image", 4)], data={"img-on-c": pixels(3)}, ec_transfer_params=params
+            )
             saver = threading.Timer(0.3, lambda: produce(p_worker, meta, {"img": embedding(4, 22)}))
             saver.start()
             try:
@@ -514,7 +555,9 @@ def test_a_consumer_waits_for_what_a_producer_announced() -> None:
                 saver.join()
             assert c_sched.has_cache_item("img-on-c")
             # without the announcement the same request would not have waited past the fetch
-            other = request("c2", [("fresh", "image", 4)], data={"fresh": pixels(4)}, ec_transfer_params=params)
+            other = request(
+                "c2", [("fresh", "image", 4)], data={"fresh": pixels(4)}, ec_transfer_params=params
+            )
             until_available(c_sched, other)
             assert not c_sched.has_cache_item("fresh")
 

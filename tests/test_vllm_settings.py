@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -71,12 +72,22 @@ def test_vllm_modality_names() -> None:
     assert modality_of("prompt_embeds") is None and modality_of("IMAGE") is None
 
 
-parts = st.tuples(st.text(min_size=1, max_size=400), st.one_of(st.none(), st.text(max_size=40)), st.text(max_size=64), st.sampled_from(["torch.bfloat16", "torch.float16", "float32"]))
+parts = st.tuples(
+    st.text(min_size=1, max_size=400),
+    st.one_of(st.none(), st.text(max_size=40)),
+    st.text(max_size=64),
+    st.sampled_from(["torch.bfloat16", "torch.float16", "float32"]),
+)
 
 
 @given(parts, parts)
-@example(("Qwen/Qwen2-VL-7B", "main", "enc1", "torch.bfloat16"), ("Qwen/Qwen2-VL-7B", "main", "enc2", "torch.bfloat16"))
-@example(("Qwen/Qwen2-VL-7B", None, "e", "torch.bfloat16"), ("Qwen/Qwen2-VL-7B", "default", "e", "torch.bfloat16"))
+@example(
+    ("Qwen/Qwen2-VL-7B", "main", "enc1", "torch.bfloat16"),
+    ("Qwen/Qwen2-VL-7B", "main", "enc2", "torch.bfloat16"),
+)
+@example(
+    ("Qwen/Qwen2-VL-7B", None, "e", "torch.bfloat16"), ("Qwen/Qwen2-VL-7B", "default", "e", "torch.bfloat16")
+)
 @example(("x" * 300 + "a", "r", "e", "float32"), ("x" * 300 + "b", "r", "e", "float32"))
 def test_namespaces_are_valid_and_differ_with_any_part(
     first: tuple[str, str | None, str, str], second: tuple[str, str | None, str, str]
@@ -90,10 +101,8 @@ def test_namespaces_are_valid_and_differ_with_any_part(
     same = (first[0], first[1] or "default", first[2], first[3].removeprefix("torch."))
     other = (second[0], second[1] or "default", second[2], second[3].removeprefix("torch."))
     if same != other:
-        try:
+        with contextlib.suppress(InvalidKey):
             assert vllm_namespace(*second) != a
-        except InvalidKey:
-            pass
 
 
 def test_namespace_reads_well() -> None:
@@ -134,14 +143,18 @@ def test_extra_config_defaults_and_values() -> None:
         ({"max_pending_save_bytes": 1.5}, TypeError, "size text"),
     ],
 )
-def test_bad_extra_config_is_refused_naming_the_fix(extra: dict[str, object], error: type[Exception], match: str) -> None:
+def test_bad_extra_config_is_refused_naming_the_fix(
+    extra: dict[str, object], error: type[Exception], match: str
+) -> None:
     with pytest.raises(error, match=match):
         ConnectorSettings.from_extra_config(extra)
 
 
 def test_mooncake_config_from_env_then_extra_config(tmp_path: Path) -> None:
     env = {"MOONCAKE_MASTER": "127.0.0.1:50051", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1GB"}
-    settings = ConnectorSettings.from_extra_config({"mooncake": {"deadline": 0.3, "local_buffer_size": "64MB"}})
+    settings = ConnectorSettings.from_extra_config(
+        {"mooncake": {"deadline": 0.3, "local_buffer_size": "64MB"}}
+    )
     worker = settings.mooncake_config(pure_client=False, environ=env)
     assert worker.master_server_address == "127.0.0.1:50051"
     assert worker.global_segment_size == 1 << 30 and worker.local_buffer_size == 64 << 20
@@ -149,7 +162,12 @@ def test_mooncake_config_from_env_then_extra_config(tmp_path: Path) -> None:
     assert settings.mooncake_config(pure_client=True, environ=env).global_segment_size == 0
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps({"master_server_address": "127.0.0.1:6000"}))
-    assert settings.mooncake_config(pure_client=False, environ={"MOONCAKE_CONFIG_PATH": str(path)}).master_server_address == "127.0.0.1:6000"
+    assert (
+        settings.mooncake_config(
+            pure_client=False, environ={"MOONCAKE_CONFIG_PATH": str(path)}
+        ).master_server_address
+        == "127.0.0.1:6000"
+    )
     explicit = ConnectorSettings.from_extra_config({"mooncake": {"master_server_address": "127.0.0.1:7000"}})
     assert explicit.mooncake_config(pure_client=False, environ=env).master_server_address == "127.0.0.1:7000"
     with pytest.raises(ValueError, match="MOONCAKE_MASTER.*store"):
@@ -199,8 +217,13 @@ def test_content_digests_cover_field_names_dtypes_shapes_and_bytes() -> None:
     assert content_digest({}) is None
 
 
-def write_checkpoint(root: Path, tensors: dict[str, bytes], *, config: dict[str, object] | None = None,
-                     preprocessor: dict[str, object] | None = None) -> Path:
+def write_checkpoint(
+    root: Path,
+    tensors: dict[str, bytes],
+    *,
+    config: dict[str, object] | None = None,
+    preprocessor: dict[str, object] | None = None,
+) -> Path:
     """A minimal local checkpoint: config.json, preprocessor_config.json, one safetensors file."""
     import struct
 
@@ -218,7 +241,9 @@ def write_checkpoint(root: Path, tensors: dict[str, bytes], *, config: dict[str,
     return root
 
 
-def test_a_checkpoint_is_named_by_what_it_is_not_where_it_lies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_is_named_by_what_it_is_not_where_it_lies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from mmkey.integrations.vllm._identity import checkpoint_identity
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -231,16 +256,28 @@ def test_a_checkpoint_is_named_by_what_it_is_not_where_it_lies(tmp_path: Path, m
     lm_tuned = dict(weights, **{"language_model.embed.weight": b"\x03" * 64})
     assert checkpoint_identity(write_checkpoint(tmp_path / "lm", lm_tuned)) == here
     others = [
-        checkpoint_identity(write_checkpoint(tmp_path / "v", dict(weights, **{"vision_tower.patch.weight": b"\x01" * 63 + b"\x00"}))),
+        checkpoint_identity(
+            write_checkpoint(
+                tmp_path / "v", dict(weights, **{"vision_tower.patch.weight": b"\x01" * 63 + b"\x00"})
+            )
+        ),
         checkpoint_identity(write_checkpoint(tmp_path / "p", weights, preprocessor={"size": 448})),
-        checkpoint_identity(write_checkpoint(tmp_path / "c", weights, config={"architectures": ["LlavaForConditionalGeneration"], "hidden": 16})),
+        checkpoint_identity(
+            write_checkpoint(
+                tmp_path / "c",
+                weights,
+                config={"architectures": ["LlavaForConditionalGeneration"], "hidden": 16},
+            )
+        ),
     ]
     assert None not in others and len({here, *others}) == 4
     assert checkpoint_identity(tmp_path / "no-such-dir") is None  # a hub name: the caller decides
     assert (tmp_path / "cache" / "mmkey" / "vllm-weights.json").is_file()  # remembered
 
 
-def test_remembered_weight_digests_follow_the_files_size_and_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_remembered_weight_digests_follow_the_files_size_and_mtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import os
 
     from mmkey.integrations.vllm import _identity as identity_module

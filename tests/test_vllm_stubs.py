@@ -67,7 +67,7 @@ def check_class(real: type, node: ast.ClassDef, where: str) -> list[str]:
                 problems.append(f"{where}.{item.name} is missing")
                 continue
             member = getattr(real, item.name)
-            if isinstance(member, property) or item.name == "__init__" and getattr(real, "__init__") is object.__init__:
+            if isinstance(member, property) or item.name == "__init__" and member is object.__init__:
                 continue
             problems += [f"{where}.{item.name}() takes no {p!r}" for p in accepts(member, item)]
         elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
@@ -94,9 +94,12 @@ def test_stubbed_names_exist_in_vllm(path: Path) -> None:
                 problems += check_class(getattr(module, node.name), node, where)
             else:
                 problems += [f"{where}() takes no {p!r}" for p in accepts(getattr(module, node.name), node)]
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if not hasattr(module, node.target.id):
-                problems.append(f"{module.__name__}.{node.target.id} is missing")
+        elif (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and not hasattr(module, node.target.id)
+        ):
+            problems.append(f"{module.__name__}.{node.target.id} is missing")
     assert problems == []
 
 

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from _support import MiB, require_stack, wait_until
+from _support import require_stack
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM cannot infer a device without one
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
@@ -43,7 +43,10 @@ BOUND = DEADLINE + 2.5
 def require_vllm() -> None:
     """Skip the calling test module when vLLM does not import (fail under MMKEY_REQUIRE_VLLM=1)."""
     require_stack(
-        "vllm.distributed.ec_transfer.ec_connector.base", stack="vLLM", require_env=REQUIRE_ENV, make_target="test-vllm"
+        "vllm.distributed.ec_transfer.ec_connector.base",
+        stack="vLLM",
+        require_env=REQUIRE_ENV,
+        make_target="test-vllm",
     )
 
 
@@ -142,11 +145,15 @@ def request(
     `data`: processed inputs by identifier (vLLM's `MultiModalKwargsItem` of one field,
     ``pixel_values``), as a scheduler sees them; without, the features carry no data.
     """
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.multimodal.inputs import (
+        MultiModalFeatureSpec,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+        MultiModalSharedField,
+        PlaceholderRange,
+    )
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
-
-    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
 
     def item(identifier: str) -> Any:
         if data is None or identifier not in data:

@@ -115,9 +115,7 @@ class BackgroundSaver:
     def counts(self) -> SaverCounts:
         """A snapshot of this saver's counters."""
         with self._cond:
-            return SaverCounts(
-                self._saved, self._failed, self._dropped, self._skipped, self._pending_bytes
-            )
+            return SaverCounts(self._saved, self._failed, self._dropped, self._skipped, self._pending_bytes)
 
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds until every queued save has been written or failed."""
@@ -180,8 +178,8 @@ class BackgroundSaver:
         if len(present) != len(batch):
             return batch, []
         return (
-            [job for job, p in zip(batch, present) if not p],
-            [job for job, p in zip(batch, present) if p],
+            [job for job, p in zip(batch, present, strict=True) if not p],
+            [job for job, p in zip(batch, present, strict=True) if p],
         )
 
     def _write(self, batch: list[_Job]) -> list[bool]:

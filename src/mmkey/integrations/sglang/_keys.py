@@ -40,9 +40,7 @@ def sglang_digest(text: str, hashes: HashScheme = HashScheme.SGLANG) -> tuple[Ha
     """
     value: object = text
     if not isinstance(value, str):
-        raise TypeError(
-            f"SGLang hashes reach the store as text, got {type(value).__name__}; pass str(h)"
-        )
+        raise TypeError(f"SGLang hashes reach the store as text, got {type(value).__name__}; pass str(h)")
     limit = _LIMITS.get(hashes)
     if limit is None:
         raise TypeError(f"hashes must be HashScheme.SGLANG or HashScheme.BLAKE3, got {hashes!r}")

@@ -53,7 +53,7 @@ class Pool:
     def rows(self, ptr: int, size: int) -> torch.Tensor:
         """The rows ``[ptr, ptr + size)`` as a view of the pool; `UnknownBuffer` if not whole rows."""
         offset = ptr - self.start
-        if not (0 <= offset and offset + size <= self.nbytes):
+        if not (offset >= 0 and offset + size <= self.nbytes):
             raise UnknownBuffer(f"[{ptr:#x}, +{size}) lies outside the {self.modality.value} pool")
         if offset % self.row_bytes or size % self.row_bytes or size <= 0:
             raise UnknownBuffer(
@@ -92,16 +92,13 @@ class PoolTable:
         with self._lock:
             if modality is None:
                 if len(self._pools) >= len(REGISTRATION_ORDER):
-                    raise ValueError(
-                        "a third pool needs its modality: register_pool(tensor, modality)"
-                    )
+                    raise ValueError("a third pool needs its modality: register_pool(tensor, modality)")
                 modality = REGISTRATION_ORDER[len(self._pools)]
             pool = Pool(tensor, modality, pool_start, tensor.numel() * tensor.element_size(), row_bytes)
             for other in self._pools:
                 if pool.start < other.end and other.start < pool.end:
                     raise ValueError(
-                        f"the new {modality.value} pool overlaps the registered "
-                        f"{other.modality.value} pool"
+                        f"the new {modality.value} pool overlaps the registered {other.modality.value} pool"
                     )
             self._pools.append(pool)
         return pool
@@ -131,4 +128,4 @@ class PoolTable:
                 f"address {ptrs[0]:#x} is in no registered pool; SGLang registers its pools "
                 "with register_buffer() before any transfer"
             )
-        return pool, [pool.rows(ptr, size) for ptr, size in zip(ptrs, sizes)]
+        return pool, [pool.rows(ptr, size) for ptr, size in zip(ptrs, sizes, strict=True)]

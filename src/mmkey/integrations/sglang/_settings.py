@@ -234,7 +234,10 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings
                 "host:port (or master_server_address in the config file)"
             )
         notes.append(f"MOONCAKE_CLIENT={client} not used (the store talks to the master)")
-    for var, name in (("MOONCAKE_LOCAL_BUFFER_SIZE", "local_buffer_size"), ("MOONCAKE_REPLICA_NUM", "replica_num")):
+    for var, name in (
+        ("MOONCAKE_LOCAL_BUFFER_SIZE", "local_buffer_size"),
+        ("MOONCAKE_REPLICA_NUM", "replica_num"),
+    ):
         if env.get(var):
             fields[name] = env[var]
     fields["tenant_id"] = str(fields.get("tenant_id") or "").strip() or "default"

@@ -120,7 +120,10 @@ def cover_spawned_encoders() -> None:
         if not any(isinstance(f, PatchAfterImport) and f.patch is _patch for f in sys.meta_path):
             sys.meta_path.insert(0, PatchAfterImport({t.module for t in SPAWN_TARGETS}, _patch))
     except Exception as exc:
-        _problem(("*", "*"), f"SGLang's spawned encoder processes could not be covered ({type(exc).__name__}: {exc})")
+        _problem(
+            ("*", "*"),
+            f"SGLang's spawned encoder processes could not be covered ({type(exc).__name__}: {exc})",
+        )
 
 
 def problems() -> list[str]:
@@ -200,11 +203,15 @@ def _patch(module: ModuleType) -> None:
             _missing(target)
             continue
         if loads_plugins_itself(current):
-            logger.debug("mmkey: %s.%s loads SGLang's plugins itself; not replaced", target.module, target.name)
+            logger.debug(
+                "mmkey: %s.%s loads SGLang's plugins itself; not replaced", target.module, target.name
+            )
             continue
         _originals[(target.module, target.name)] = current
         setattr(module, target.name, target.replacement)
-        logger.debug("mmkey: processes that %s starts with %s load mmkey's plugin", target.module, target.name)
+        logger.debug(
+            "mmkey: processes that %s starts with %s load mmkey's plugin", target.module, target.name
+        )
 
 
 def _register_backend() -> None:
@@ -262,7 +269,9 @@ class _PatchingLoader(importlib.abc.Loader):
         self._patch = patch
 
     def create_module(self, spec: ModuleSpec) -> ModuleType | None:
-        create: Callable[[ModuleSpec], ModuleType | None] | None = getattr(self._loader, "create_module", None)
+        create: Callable[[ModuleSpec], ModuleType | None] | None = getattr(
+            self._loader, "create_module", None
+        )
         return None if create is None else create(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -274,4 +283,3 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
-

@@ -288,20 +288,16 @@ class MMKeyEmbeddingStore(EmbeddingStore):
                 keys.extend(group)
                 owners.extend([i] * len(group))
         result = [False] * len(hashes)
-        for owner, found in zip(owners, self._cache.batch_is_exist(keys) if keys else []):
+        for owner, found in zip(owners, self._cache.batch_is_exist(keys) if keys else [], strict=True):
             result[owner] = result[owner] or found
         self._recent.note(hashes, result)
         return result
 
-    def _plan(
-        self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]
-    ) -> list[_Transfer]:
+    def _plan(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[_Transfer]:
         if not len(hashes) == len(ptrs) == len(sizes):
-            raise ValueError(
-                f"{len(hashes)} hashes, {len(ptrs)} pointer lists and {len(sizes)} size lists"
-            )
+            raise ValueError(f"{len(hashes)} hashes, {len(ptrs)} pointer lists and {len(sizes)} size lists")
         plans: list[_Transfer] = []
-        for i, (text, run_ptrs, run_sizes) in enumerate(zip(hashes, ptrs, sizes)):
+        for i, (text, run_ptrs, run_sizes) in enumerate(zip(hashes, ptrs, sizes, strict=True)):
             try:
                 pool, rows = self._pools.locate(run_ptrs, run_sizes)
             except UnknownBuffer as exc:
@@ -321,7 +317,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         plans = self._plan(hashes, ptrs, sizes)
         if plans:  # entries that do not verify are counted and logged by the cache
             landed = self._cache.read_into([p.key for p in plans], [p.rows for p in plans])
-            for plan, ok in zip(plans, landed):
+            for plan, ok in zip(plans, landed, strict=True):
                 result[plan.index] = ok
         hits = sum(result)
         self._counts.add(hits=hits, misses=len(result) - hits)
@@ -338,10 +334,10 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         if not plans:
             return result
         held = cache.batch_is_exist([p.key for p in plans])
-        present = [p for p, found in zip(plans, held) if found]
+        present = [p for p, found in zip(plans, held, strict=True) if found]
         kept: set[int] = set()
         if present:
-            for plan, entry in zip(present, cache.get_embeddings([p.key for p in present])):
+            for plan, entry in zip(present, cache.get_embeddings([p.key for p in present]), strict=True):
                 if entry is not None and _fits(entry, plan.rows):
                     kept.add(plan.index)
                     result[plan.index] = True
@@ -349,7 +345,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         todo = [p for p in plans if p.index not in kept]
         if todo:
             stored = cache.insert_from([p.key for p in todo], [p.rows for p in todo])
-            for plan, ok in zip(todo, stored):
+            for plan, ok in zip(todo, stored, strict=True):
                 result[plan.index] = ok
         self._recent.note(hashes, result)
         return result

@@ -41,4 +41,3 @@ def check_connector_api(base: type = ECConnectorBase) -> None:
             f"differs: {'; '.join(problems)}. Install a supported vLLM or an mmkey that "
             "supports this one."
         )
-

@@ -194,9 +194,7 @@ class MMKeyECConnector(ECConnectorBase):
         """
         self._worker.start_load_caches(self._metadata(), encoder_cache)
 
-    def save_caches(
-        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
-    ) -> None:
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Queue the new encoder output of `mm_hash` for a background save.
 
         Only tensor-parallel rank 0 of a producer saves. Returns at once: over the pending
@@ -213,7 +211,6 @@ class MMKeyECConnector(ECConnectorBase):
         left."""
         return self._worker.flush_saves(timeout)
 
-
     def _take_component_counts(self) -> None:
         """Move the saver's and stager's own counts (from their calls' results) into ours."""
         now: dict[str, tuple[int, ...]] = {}
@@ -229,7 +226,7 @@ class MMKeyECConnector(ECConnectorBase):
         }
         for part, values in now.items():
             before = self._seen.get(part, (0,) * len(values))
-            self._counts.add(**{n: v - b for n, v, b in zip(names[part], values, before)})
+            self._counts.add(**{n: v - b for n, v, b in zip(names[part], values, before, strict=True)})
             self._seen[part] = values
 
     def get_ec_connector_stats(self) -> ECConnectorStats | None:

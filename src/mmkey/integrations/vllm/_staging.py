@@ -151,9 +151,7 @@ class Stager:
     def counts(self) -> StagerCounts:
         """A snapshot of the counters."""
         with self._cond:
-            return StagerCounts(
-                self._asked, self._staged, self._wrong, self._over, self._errors, self._bytes
-            )
+            return StagerCounts(self._asked, self._staged, self._wrong, self._over, self._errors, self._bytes)
 
     def close(self) -> None:
         """Stop the thread (after its current call) and free everything held."""
@@ -200,7 +198,7 @@ class Stager:
         with self._cond:
             self._asked += len(keys)
             self._errors += int(failed)
-            for (name, entry), tensor, exists in zip(asked, tensors, present):
+            for (name, entry), tensor, exists in zip(asked, tensors, present, strict=True):
                 if self._entries.get(name) is not entry or entry.state is not Staged.PENDING:
                     continue  # released or replaced meanwhile
                 entry.state = self._file(entry, tensor, exists)
