@@ -112,7 +112,7 @@ def main() -> None:
                 master_server_address=master.address,
                 global_segment_size=0,
                 local_buffer_size=256 * MiB,
-                deadline=30.0,  # measures speed, not faults
+                timeout=30.0,  # measures speed, not faults
             ),
         )
         try:

@@ -5,7 +5,7 @@ Starts a local master and a separate segment holder (``mooncake_client``) on 127
 sides are pure clients of it, so every write and read crosses TCP as between serving nodes.
 
 - mmkey: `MMKeyECConnector` made from a real `VllmConfig` (a scheduler side and two worker
-  sides: the producer that saves, the consumer that loads), deadline 5 s (vLLM's has none).
+  sides: the producer that saves, the consumer that loads), timeout 5 s (vLLM's has none).
 - vLLM: `MooncakeEmbeddingStoreClient` (``vllm.distributed.ec_transfer.ec_connector.
   mooncake_store_embedding``), the client behind vLLM's encoder-side store: keys from
   ``make_embedding_key``, a 24-byte header, no checksum.
@@ -121,7 +121,7 @@ def main() -> None:
                         "local_buffer_size": "256MB",
                         # vLLM's client waits as long as a call takes; on 2 busy cores a
                         # 64 MiB transfer can pass the default 0.5 s
-                        "deadline": 5.0,
+                        "timeout": 5.0,
                     },
                 },
             )

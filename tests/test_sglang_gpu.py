@@ -42,7 +42,7 @@ def stores(
     mooncake_master_session: MasterProcess,
 ) -> Iterator[tuple[MMKeyEmbeddingStore, MMKeyEmbeddingStore]]:
     made = [
-        MMKeyEmbeddingStore(namespace="gpu-model", config=local_config(mooncake_master_session, deadline=2.0))
+        MMKeyEmbeddingStore(namespace="gpu-model", config=local_config(mooncake_master_session, timeout=2.0))
         for _ in range(2)
     ]
     yield made[0], made[1]

@@ -80,7 +80,7 @@ def test_sglangs_defaults_when_only_the_master_is_set() -> None:
     assert config.metadata_server == "P2PHANDSHAKE"
     assert config.device_name == ""
     assert config.tenant_id == "default"
-    assert config.deadline == 2.0
+    assert config.timeout == 2.0
 
 
 def test_sglangs_variables_are_honoured() -> None:
@@ -93,7 +93,7 @@ def test_sglangs_variables_are_honoured() -> None:
             "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2gb",
             "MOONCAKE_TENANT_ID": "  ",
             "LOCAL_HOSTNAME": "10.0.0.7",
-            "MMKEY_DEADLINE": "0.75",
+            "MMKEY_TIMEOUT": "0.75",
             "MOONCAKE_REPLICA_NUM": "2",
         }
     )
@@ -102,7 +102,7 @@ def test_sglangs_variables_are_honoured() -> None:
     assert config.global_segment_size == 2 << 30
     assert config.tenant_id == "default"  # SGLang reads blank as the default tenant
     assert config.local_hostname == "10.0.0.7"
-    assert (config.deadline, config.replica_num) == (0.75, 2)
+    assert (config.timeout, config.replica_num) == (0.75, 2)
     both = {"MOONCAKE_MASTER": "m:1", "MOONCAKE_LOCAL_HOSTNAME": "a", "LOCAL_HOSTNAME": "b"}
     assert config_from_env(both).local_hostname == "a"  # SGLang: MOONCAKE_LOCAL_HOSTNAME first
 
@@ -154,7 +154,7 @@ def test_sglangs_config_file_is_honoured_over_the_variables(tmp_path: Path) -> N
         ({"MOONCAKE_CLIENT": "10.0.0.5:50052"}, "standalone mooncake_client"),
         ({"MOONCAKE_MASTER": "m:1", "MOONCAKE_PROTOCOL": "smoke-signals"}, "protocol must be one of"),
         ({"MOONCAKE_MASTER": "m:1", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "lots"}, "cannot read 'lots' as a size"),
-        ({"MOONCAKE_MASTER": "m:1", "MMKEY_DEADLINE": "-1"}, "MMKEY_DEADLINE='-1' must be a positive"),
+        ({"MOONCAKE_MASTER": "m:1", "MMKEY_TIMEOUT": "-1"}, "MMKEY_TIMEOUT='-1' must be a positive"),
         ({"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": "/nonexistent/mc.json"}, "cannot read a JSON config"),
     ],
 )

@@ -37,15 +37,15 @@ from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
 pytestmark = pytest.mark.mooncake
 
-DEADLINE = 0.4
-BOUND = DEADLINE + 2.0  # scheduling noise on a loaded machine, never a store hang (30 s)
+TIMEOUT = 0.4
+BOUND = TIMEOUT + 2.0  # scheduling noise on a loaded machine, never a store hang (30 s)
 DIMS = {"image": 64, "audio": 32}
 DTYPE = torch.bfloat16
 NAMESPACE = "qwen2.5-vl-7b@rev1"
 
 
 def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
-    return local_config(master, **{"deadline": DEADLINE, **overrides})
+    return local_config(master, **{"timeout": TIMEOUT, **overrides})
 
 
 @pytest.fixture
@@ -152,7 +152,7 @@ def test_factory_creates_it_from_the_environment(
     monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "16MB")
     monkeypatch.setenv("MOONCAKE_LOCAL_BUFFER_SIZE", "16MB")
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-    monkeypatch.setenv("MMKEY_DEADLINE", "1.5")
+    monkeypatch.setenv("MMKEY_TIMEOUT", "1.5")
     EmbeddingStoreFactory.register_backend("mmkey", "mmkey.integrations.sglang", "MMKeyEmbeddingStore")
     with caplog.at_level(logging.INFO, logger="mmkey.integrations.sglang"):
         store = EmbeddingStoreFactory.create_backend("mmkey")
@@ -168,7 +168,7 @@ def test_factory_creates_it_from_the_environment(
         assert isinstance(store, MMKeyEmbeddingStore)
         assert store.namespace == "factory-model"
         assert store.cache.config.master_server_address == mooncake_master_session.address
-        assert store.cache.config.deadline == 1.5
+        assert store.cache.config.timeout == 1.5
         assert store.cache.is_connected()
     finally:
         store.close()  # type: ignore[attr-defined]
@@ -261,7 +261,7 @@ def test_puts_go_straight_from_the_pool_pages_and_an_entry_held_already_is_kept(
 
 
 PATIENT = 5.0
-"""The deadline of tests about what is written, not how fast: a loaded machine never turns a
+"""The timeout of tests about what is written, not how fast: a loaded machine never turns a
 put into a miss there."""
 
 
@@ -270,7 +270,7 @@ def test_racing_encoders_write_one_image_once(
 ) -> None:
     puts = count_multi_buffer_puts(monkeypatch)
     upserts = count_upserts(monkeypatch)
-    stores = [make_store(deadline=PATIENT) for _ in range(5)]
+    stores = [make_store(timeout=PATIENT) for _ in range(5)]
     pages_of = [pages(store, 30) for store in stores]
     for pool, _, _ in pages_of:
         pool[:30] = embedding(30, 64, 123)  # the same image, encoded by each
@@ -289,7 +289,7 @@ def test_racing_encoders_write_one_image_once(
     assert put[4]() == [True]
     assert (sum(puts), sum(upserts)) == before  # a later put of a held entry writes nothing
     assert stores[4].stats().skipped == 1
-    reader = make_store(deadline=PATIENT)
+    reader = make_store(timeout=PATIENT)
     dst, ptrs, sizes = pages(reader, 30)
     assert reader.batch_get_into_multi_buffers(["321"], ptrs, sizes) == [True]
     assert torch.equal(dst[:30], embedding(30, 64, 123))
@@ -574,7 +574,7 @@ def test_bad_hash_text_and_unknown_memory_are_misses_not_exceptions(
 def test_any_hash_text_round_trips_under_an_identifier_key(
     make_store: Callable[..., MMKeyEmbeddingStore], text: str
 ) -> None:
-    writer, reader = make_store(deadline=PATIENT), make_store(deadline=PATIENT)
+    writer, reader = make_store(timeout=PATIENT), make_store(timeout=PATIENT)
     src, ptrs, sizes = pages(writer, 8)
     src[:8] = embedding(8, 64, 8)
     assert writer.batch_put_from_multi_buffers([text], ptrs, sizes) == [True]
@@ -684,7 +684,7 @@ def test_no_master_at_start_is_a_degraded_store_not_a_hang(
     mooncake_master.kill()
     start = time.monotonic()
     store = make_store(master=mooncake_master)
-    assert time.monotonic() - start < 5.0 + BOUND  # setup_deadline plus noise, never ~90 s
+    assert time.monotonic() - start < 5.0 + BOUND  # setup_timeout plus noise, never ~90 s
     pool, ptrs, sizes = pages(store, 4)
     for call in every_call(store, ptrs, sizes):
         result, took = timed(call)

@@ -241,7 +241,7 @@ def test_a_hung_or_dead_master_is_a_miss_within_the_deadline_and_recovers(
 def test_a_connector_made_while_the_master_is_down_starts_and_joins_it_later(
     mooncake_master: MasterProcess,
 ) -> None:
-    cfg = vllm_config("ec_both", namespace="m", mooncake=mooncake_extra(mooncake_master, setup_deadline=1.0))
+    cfg = vllm_config("ec_both", namespace="m", mooncake=mooncake_extra(mooncake_master, setup_timeout=1.0))
     mooncake_master.kill()
     try:
         start = time.monotonic()

@@ -61,8 +61,8 @@ def ec_config(fleet: Fleet, role: str = "ec_both", **extra: Any) -> dict[str, An
         "master_server_address": fleet.master.address,
         "global_segment_size": 0,  # entries live in the holder, not in the engine
         "local_buffer_size": "32MB",
-        "deadline": 1.0,
-        "setup_deadline": 10.0,
+        "timeout": 1.0,
+        "setup_timeout": 10.0,
         "retry_after": 0.2,
     }
     mooncake.update(extra.pop("mooncake", {}))

@@ -119,12 +119,12 @@ def test_extra_config_defaults_and_values() -> None:
             "store": "memory",
             "memory_max_bytes": "64MB",
             "max_pending_save_bytes": 1024,
-            "mooncake": {"deadline": 0.25},
+            "mooncake": {"timeout": 0.25},
         }
     )
     assert settings.namespace == "qwen@r1" and settings.store is StoreKind.MEMORY
     assert settings.memory_max_bytes == 64 << 20 and settings.max_pending_save_bytes == 1024
-    assert settings.mooncake == {"deadline": 0.25}
+    assert settings.mooncake == {"timeout": 0.25}
     assert "namespace" in EXTRA_CONFIG_KEYS
 
 
@@ -153,12 +153,12 @@ def test_bad_extra_config_is_refused_naming_the_fix(
 def test_mooncake_config_from_env_then_extra_config(tmp_path: Path) -> None:
     env = {"MOONCAKE_MASTER": "127.0.0.1:50051", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1GB"}
     settings = ConnectorSettings.from_extra_config(
-        {"mooncake": {"deadline": 0.3, "local_buffer_size": "64MB"}}
+        {"mooncake": {"timeout": 0.3, "local_buffer_size": "64MB"}}
     )
     worker = settings.mooncake_config(pure_client=False, environ=env)
     assert worker.master_server_address == "127.0.0.1:50051"
     assert worker.global_segment_size == 1 << 30 and worker.local_buffer_size == 64 << 20
-    assert worker.deadline == 0.3
+    assert worker.timeout == 0.3
     assert settings.mooncake_config(pure_client=True, environ=env).global_segment_size == 0
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps({"master_server_address": "127.0.0.1:6000"}))

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from mmkey.testing.mooncake_master import MasterProcess
 
 REQUIRE_ENV = "MMKEY_REQUIRE_VLLM"
-DEADLINE = 0.4
-BOUND = DEADLINE + 2.5
+TIMEOUT = 0.4
+BOUND = TIMEOUT + 2.5
 """A call may overrun its deadline by scheduling noise on a loaded machine, never by a hang."""
 
 
@@ -51,13 +51,13 @@ def require_vllm() -> None:
 
 
 def mooncake_extra(master: MasterProcess, **overrides: Any) -> dict[str, Any]:
-    """``ec_connector_extra_config['mooncake']`` for a test master: small, short deadlines."""
+    """``ec_connector_extra_config['mooncake']`` for a test master: small, short timeouts."""
     fields: dict[str, Any] = {
         "master_server_address": master.address,
         "global_segment_size": "96MB",
         "local_buffer_size": "32MB",
-        "deadline": DEADLINE,
-        "setup_deadline": 5.0,
+        "timeout": TIMEOUT,
+        "setup_timeout": 5.0,
         "retry_after": 0.2,
     }
     fields.update(overrides)

@@ -184,7 +184,7 @@ class BackgroundSaver:
 
     def _write(self, batch: list[_Job]) -> list[bool]:
         """Write `batch` in `insert_batch` calls of at most `max_batch_bytes` (one entry at least),
-        so that each call fits a store's deadline."""
+        so that each call fits a store's timeout."""
         stored: list[bool] = []
         start = 0
         while start < len(batch):

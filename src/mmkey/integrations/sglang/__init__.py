@@ -5,7 +5,7 @@ SGLang builds its store with no arguments, so this one configures itself from th
 environment: ``MMKEY_NAMESPACE`` (required: the model, revision and preprocessing whose
 embeddings it holds), the Mooncake configuration SGLang's own Mooncake backend reads
 (``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or the ``MOONCAKE_*`` variables, with SGLang's
-defaults; see `mmkey.integrations.sglang._settings`) and ``MMKEY_DEADLINE`` (seconds one
+defaults; see `mmkey.integrations.sglang._settings`) and ``MMKEY_TIMEOUT`` (seconds one
 store call may block SGLang's I/O thread, default 2). The effective configuration is logged
 once at start.
 
@@ -59,8 +59,8 @@ if TYPE_CHECKING:
     from mmkey.integrations.sglang._pools import REGISTRATION_ORDER
     from mmkey.integrations.sglang._settings import (
         BACKEND_ENV,
-        DEADLINE_ENV,
-        DEFAULT_DEADLINE,
+        TIMEOUT_ENV,
+        DEFAULT_TIMEOUT,
         HASH_ENV,
         NAMESPACE_ENV,
         SGLangConfigError,
@@ -72,8 +72,8 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKEND_ENV",
     "BACKEND_NAME",
-    "DEADLINE_ENV",
-    "DEFAULT_DEADLINE",
+    "TIMEOUT_ENV",
+    "DEFAULT_TIMEOUT",
     "HASH_ENV",
     "NAMESPACE_ENV",
     "REGISTRATION_ORDER",
@@ -95,8 +95,8 @@ _HOMES = {
     "register_plugin": "_plugin",
     "REGISTRATION_ORDER": "_pools",
     "BACKEND_ENV": "_settings",
-    "DEADLINE_ENV": "_settings",
-    "DEFAULT_DEADLINE": "_settings",
+    "TIMEOUT_ENV": "_settings",
+    "DEFAULT_TIMEOUT": "_settings",
     "HASH_ENV": "_settings",
     "NAMESPACE_ENV": "_settings",
     "SGLangConfigError": "_settings",

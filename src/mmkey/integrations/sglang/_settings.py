@@ -14,7 +14,7 @@ The Mooncake store is configured as SGLang's own Mooncake embedding backend conf
 ``MOONCAKE_TE_META_DATA_SERVER`` (default ``P2PHANDSHAKE``), ``MOONCAKE_GLOBAL_SEGMENT_SIZE``
 (default 4 GiB), ``MOONCAKE_TENANT_ID``; the local host name from ``MOONCAKE_LOCAL_HOSTNAME``,
 then ``LOCAL_HOSTNAME``, then the file, then ``localhost``. mmkey adds
-``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_REPLICA_NUM``, ``MMKEY_DEADLINE`` and the
+``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_REPLICA_NUM``, ``MMKEY_TIMEOUT`` and the
 ``MMKEY_*`` settings `MooncakeConfig.from_env` reads.
 ``MOONCAKE_CLIENT`` (a standalone ``mooncake_client``) is not used by SGLang's embedding
 backend either: the store talks to the master itself, so a master is required.
@@ -37,8 +37,8 @@ from mmkey.keys import EmbeddingKey
 
 __all__ = [
     "BACKEND_ENV",
-    "DEADLINE_ENV",
-    "DEFAULT_DEADLINE",
+    "TIMEOUT_ENV",
+    "DEFAULT_TIMEOUT",
     "HASH_ENV",
     "NAMESPACE_ENV",
     "SGLANG_CONFIG_ENV",
@@ -60,9 +60,9 @@ HASH_ENV = "MMKEY_SGLANG_HASH"
 """``blake3``: SGLang hashes multimodal features with BLAKE3-128 and keys use 128 bits."""
 NAMESPACE_ENV = "MMKEY_NAMESPACE"
 """Names what produced the embeddings (model, revision, preprocessing); required."""
-DEADLINE_ENV = "MMKEY_DEADLINE"
-"""Seconds one store call may block SGLang's I/O thread (default `DEFAULT_DEADLINE`)."""
-DEFAULT_DEADLINE = 2.0
+TIMEOUT_ENV = "MMKEY_TIMEOUT"
+"""Seconds one store call may block SGLang's I/O thread (default `DEFAULT_TIMEOUT`)."""
+DEFAULT_TIMEOUT = 2.0
 SGLANG_CONFIG_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 """SGLang's Mooncake config file (JSON, Mooncake's field names)."""
 TESTED_SGLANG = ((0, 5, 23), (0, 5, 24))
@@ -179,7 +179,7 @@ class StoreSettings:
             f"master={c.master_server_address} protocol={c.protocol} device={c.device_name!r} "
             f"local_hostname={c.local_hostname} metadata_server={c.metadata_server} "
             f"global_segment_size={c.global_segment_size} local_buffer_size={c.local_buffer_size} "
-            f"tenant_id={c.tenant_id} replica_num={c.replica_num} deadline={c.deadline}s "
+            f"tenant_id={c.tenant_id} replica_num={c.replica_num} timeout={c.timeout}s "
             f"(from {self.source})"
         )
         return text + "".join(f"; {note}" for note in self.notes)
@@ -187,7 +187,7 @@ class StoreSettings:
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> MooncakeConfig:
     """The Mooncake configuration SGLang's own Mooncake embedding backend would use, with
-    mmkey's deadline; `SGLangConfigError` naming the fix for anything it cannot use."""
+    mmkey's timeout; `SGLangConfigError` naming the fix for anything it cannot use."""
     return settings_from_env(environ).config
 
 
@@ -241,7 +241,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings
         if env.get(var):
             fields[name] = env[var]
     fields["tenant_id"] = str(fields.get("tenant_id") or "").strip() or "default"
-    fields["deadline"] = _deadline(env)
+    fields["timeout"] = _timeout(env)
     try:
         for name in ("global_segment_size", "local_buffer_size"):
             if name in fields:
@@ -263,12 +263,12 @@ def _read_file(path: str) -> dict[str, Any]:
         raise SGLangConfigError(str(exc)) from None
 
 
-def _deadline(env: Mapping[str, str]) -> float:
-    text = env.get(DEADLINE_ENV, "")
+def _timeout(env: Mapping[str, str]) -> float:
+    text = env.get(TIMEOUT_ENV, "")
     try:
-        deadline = float(text) if text else DEFAULT_DEADLINE
+        timeout = float(text) if text else DEFAULT_TIMEOUT
     except ValueError:
-        raise SGLangConfigError(f"{DEADLINE_ENV}={text!r} is not a number of seconds, e.g. 2.0") from None
-    if not (math.isfinite(deadline) and deadline > 0):
-        raise SGLangConfigError(f"{DEADLINE_ENV}={text!r} must be a positive number of seconds")
-    return deadline
+        raise SGLangConfigError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds, e.g. 2.0") from None
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise SGLangConfigError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
+    return timeout

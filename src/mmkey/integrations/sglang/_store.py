@@ -52,7 +52,7 @@ class _Transfer:
 
 
 class MMKeyEmbeddingStore(EmbeddingStore):
-    """SGLang's `EmbeddingStore` over `MooncakeCache`: typed keys, verified entries, deadlines.
+    """SGLang's `EmbeddingStore` over `MooncakeCache`: typed keys, verified entries, timeouts.
 
     Built with no arguments as SGLang builds backends (the environment configures it, and
     the plugin's configuration errors make it raise `SGLangConfigError`); `namespace`,

@@ -276,7 +276,7 @@ def _announced(request: Request) -> frozenset[str]:
 def _store_timeout(cache: EmbeddingCache) -> float:
     """How long one store call may take (the cache's configured timeout), 0.5 s if unknown."""
     config = getattr(cache, "config", None)
-    for name in ("timeout", "deadline"):
+    for name in ("timeout",):
         value = getattr(config, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)

@@ -172,7 +172,7 @@ class Stager:
                 names = list(dict.fromkeys(self._queue))
                 self._queue.clear()
                 asked = [(n, self._entries[n]) for n in names if n in self._entries]
-            # calls of about _CALL_BYTES each, so that every call fits the store's deadline and
+            # calls of about _CALL_BYTES each, so that every call fits the store's timeout and
             # the first answers are usable before the last are read
             per_call = max(1, _CALL_BYTES // self._entry_bytes) if self._fetch else len(asked)
             for start in range(0, len(asked), per_call):
