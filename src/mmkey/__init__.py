@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mmkey._lazy import lazy_exports
 from mmkey.cache.aio import AsyncCache
 from mmkey.cache.memory import MemoryCache
 from mmkey.cache.mooncake.config import MooncakeConfig
@@ -70,12 +71,6 @@ __all__ = [
 
 
 if not TYPE_CHECKING:
-    # hidden from type checkers, so a misspelt name stays a type error
-
-    def __getattr__(name: str) -> object:
-        # the Mooncake client (its transport threads and exit hook) loads when first named
-        if name == "MooncakeCache":
-            from mmkey.cache.mooncake import MooncakeCache
-
-            return MooncakeCache
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # hidden from type checkers, so a misspelt name stays a type error; the Mooncake client
+    # (its transport threads and exit hook) loads when first named
+    __getattr__, __dir__ = lazy_exports(__name__, globals(), {"MooncakeCache": "cache.mooncake"}, __all__)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mmkey._lazy import lazy_exports
 from mmkey.cache.mooncake.config import MooncakeConfig
 
 if TYPE_CHECKING:
@@ -29,16 +30,6 @@ __all__ = ["MooncakeCache", "MooncakeConfig"]
 
 
 if not TYPE_CHECKING:
-    # hidden from type checkers, so a misspelt name stays a type error
-
-    def __getattr__(name: str) -> object:
-        # the client (its transport threads and exit hook) loads when first named
-        if name == "MooncakeCache":
-            from mmkey.cache.mooncake._cache import MooncakeCache
-
-            return MooncakeCache
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-    def __dir__() -> list[str]:
-        # the lazy name too, for dir() and the documentation's member list
-        return sorted(set(globals()) | set(__all__))
+    # hidden from type checkers, so a misspelt name stays a type error; the client (its
+    # transport threads and exit hook) loads when first named
+    __getattr__, __dir__ = lazy_exports(__name__, globals(), {"MooncakeCache": "_cache"}, __all__)

@@ -50,8 +50,9 @@ stays as light as its module.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from mmkey._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from mmkey.integrations.sglang._keys import sglang_digest, sglang_key
@@ -108,14 +109,4 @@ _HOMES = {
 
 
 if not TYPE_CHECKING:  # type checkers see the imports above, so a misspelt name stays an error
-
-    def __getattr__(name: str) -> object:
-        home = _HOMES.get(name)
-        if home is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-        globals()[name] = value
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *__all__})
+    __getattr__, __dir__ = lazy_exports(__name__, globals(), _HOMES, __all__)

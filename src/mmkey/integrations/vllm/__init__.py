@@ -35,8 +35,9 @@ so checking settings or keys does not load vLLM or torch, and vLLM's
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from mmkey._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from mmkey.integrations.vllm._api import check_connector_api
@@ -64,14 +65,4 @@ _HOMES = {
 """The module of each public name, imported when the name is first used."""
 
 if not TYPE_CHECKING:  # type checkers see the imports above, so a misspelt name stays an error
-
-    def __getattr__(name: str) -> object:
-        home = _HOMES.get(name)
-        if home is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-        globals()[name] = value
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *__all__})
+    __getattr__, __dir__ = lazy_exports(__name__, globals(), _HOMES, __all__)
