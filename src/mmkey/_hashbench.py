@@ -108,9 +108,7 @@ def hash_rows(dtype_names: tuple[str, ...] = ("float32", "bfloat16"), repeats: i
         speeds = {name: nbytes / time_best(fn, repeats) / 1e9 for name, fn in paths}
         sglang = speeds["SGLang CPU algorithm (anchor)"]
         read = speeds["memory read bandwidth: tensor.sum()"]
-        rows.extend(
-            Row(name, dtype_name, gbs, gbs / sglang, gbs / read) for name, gbs in speeds.items()
-        )
+        rows.extend(Row(name, dtype_name, gbs, gbs / sglang, gbs / read) for name, gbs in speeds.items())
     return rows
 
 

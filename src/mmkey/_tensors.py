@@ -101,9 +101,7 @@ def host_ready(tensors: Sequence[object]) -> HostReady:
         return _NOTHING_QUEUED
     import torch
 
-    devices = sorted(
-        {v.get_device() for v in tensors if isinstance(v, torch.Tensor) and v.is_cuda}
-    )
+    devices = sorted({v.get_device() for v in tensors if isinstance(v, torch.Tensor) and v.is_cuda})
     if not devices:
         return _NOTHING_QUEUED
     events: list[torch.cuda.Event] = []

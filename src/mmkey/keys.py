@@ -83,8 +83,7 @@ def _decode_namespace(text: str) -> str:
         namespace = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise InvalidKey(
-            f"namespace {text!r} does not decode to UTF-8 text; "
-            "keys must come from EmbeddingKey.to_key()"
+            f"namespace {text!r} does not decode to UTF-8 text; keys must come from EmbeddingKey.to_key()"
         ) from None
     return namespace
 
@@ -93,9 +92,7 @@ def _decode_namespace(text: str) -> str:
 def _parse_namespace(text: str) -> str:
     namespace = _decode_namespace(text)
     if not 1 <= len(namespace) <= MAX_NAMESPACE_CHARS:
-        raise InvalidKey(
-            f"namespace must have 1 to {MAX_NAMESPACE_CHARS} characters, got {len(namespace)}"
-        )
+        raise InvalidKey(f"namespace must have 1 to {MAX_NAMESPACE_CHARS} characters, got {len(namespace)}")
     if _encode_namespace(namespace) != text:
         raise InvalidKey(
             f"namespace {text!r} is not in canonical form (expected "
@@ -112,9 +109,7 @@ def _check_namespace(_: object, __: object, namespace: Any) -> None:
             "name the model, revision and preprocessing, e.g. 'qwen2-vl-7b@rev1'"
         )
     if not 1 <= len(namespace) <= MAX_NAMESPACE_CHARS:
-        raise InvalidKey(
-            f"namespace must have 1 to {MAX_NAMESPACE_CHARS} characters, got {len(namespace)}"
-        )
+        raise InvalidKey(f"namespace must have 1 to {MAX_NAMESPACE_CHARS} characters, got {len(namespace)}")
     _encode_namespace(namespace)
 
 
@@ -282,10 +277,7 @@ def _explain_mismatch(text: str) -> str:
     elif not re.fullmatch(r"[0-9a-f]+", parts[4], re.ASCII):
         why = "the digest must be lower-case hex digits only"
     else:
-        why = (
-            "the namespace must be percent-encoded: only A-Z a-z 0-9 - . _ ~ "
-            "and %XX with upper-case hex"
-        )
+        why = "the namespace must be percent-encoded: only A-Z a-z 0-9 - . _ ~ and %XX with upper-case hex"
     return f"not a v1 key: {shown!r}: {why}"
 
 
@@ -313,9 +305,7 @@ def key_text(key: object) -> str:
         raise TypeError(_wrong_key_type(key))
     text: object = key.to_key()
     if not isinstance(text, str):
-        raise InvalidKey(
-            f"{type(key).__name__}.to_key() returned {type(text).__name__}, not str"
-        )
+        raise InvalidKey(f"{type(key).__name__}.to_key() returned {type(text).__name__}, not str")
     if _KEY_ALPHABET.fullmatch(text) is None:
         raise InvalidKey(
             f"{type(key).__name__}.to_key() returned {text[:80]!r}, outside the key alphabet "

@@ -51,8 +51,22 @@ __all__ = ["COUNTERS", "LATENCY_BUCKETS", "OPERATIONS", "MeteredCache"]
 T = TypeVar("T")
 
 LATENCY_BUCKETS: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-    2.5, 5.0, 10.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 """Histogram buckets in seconds: 100 µs (a memory hit) to 10 s (a store far past its deadline)."""
 
@@ -129,7 +143,8 @@ class _CacheMetrics(Collector):
             for field, help_text in COUNTERS.items()
         }
         held = GaugeMetricFamily(
-            "mmkey_cache_bytes_held", "Encoded bytes the cache holds (absent where unknown).",
+            "mmkey_cache_bytes_held",
+            "Encoded bytes the cache holds (absent where unknown).",
             labels=["cache"],
         )
         entries = GaugeMetricFamily(
@@ -139,15 +154,18 @@ class _CacheMetrics(Collector):
             "mmkey_cache_breaker_open", "1 while calls are answered without the store.", labels=["cache"]
         )
         quarantined = GaugeMetricFamily(
-            "mmkey_cache_quarantined_holders", "Holders whose entries are answered as misses.",
+            "mmkey_cache_quarantined_holders",
+            "Holders whose entries are answered as misses.",
             labels=["cache"],
         )
         holder = GaugeMetricFamily(
-            "mmkey_cache_holder_quarantined", "1 for each quarantined holder (transfer endpoint).",
+            "mmkey_cache_holder_quarantined",
+            "1 for each quarantined holder (transfer endpoint).",
             labels=["cache", "holder"],
         )
         lanes = GaugeMetricFamily(
-            "mmkey_cache_busy_lanes", "Store calls in flight past their caller's deadline.",
+            "mmkey_cache_busy_lanes",
+            "Store calls in flight past their caller's deadline.",
             labels=["cache"],
         )
         for name, cache in caches:
@@ -250,13 +268,9 @@ class MeteredCache:
         """The wrapped cache's answer, timed."""
         return self._timed("get_embeddings", len(keys), lambda: self._cache.get_embeddings(keys))
 
-    def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         """The wrapped cache's answer, timed."""
-        return self._timed(
-            "insert_batch", len(keys), lambda: self._cache.insert_batch(keys, embeddings)
-        )
+        return self._timed("insert_batch", len(keys), lambda: self._cache.insert_batch(keys, embeddings))
 
     def prefetch(self, keys: Sequence[CacheKey]) -> int:
         """The wrapped cache's answer, timed."""

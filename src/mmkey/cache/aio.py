@@ -129,9 +129,7 @@ class AsyncCache:
         """The verified embedding of each key, or None for a miss, in order."""
         return await self._run(self._cache.get_embeddings, _snapshot(keys))
 
-    async def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    async def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         """Store one embedding per key; whether each is held afterwards.
 
         The worker reads CUDA embeddings only once the caller's work on them is done: an

@@ -34,9 +34,7 @@ class MemoryCache:
     ``MMKEY_ENTRY_KEY``, and ``keyring=None`` turns authentication off.
     """
 
-    def __init__(
-        self, max_bytes: int, *, keyring: EntryKeyring | FromEnv | None = FROM_ENV
-    ) -> None:
+    def __init__(self, max_bytes: int, *, keyring: EntryKeyring | FromEnv | None = FROM_ENV) -> None:
         value: object = max_bytes
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"max_bytes must be an int, got {type(value).__name__}")
@@ -65,10 +63,7 @@ class MemoryCache:
 
     def __repr__(self) -> str:
         auth = "" if self._keyring is None else f", key_id={self._keyring.current.key_id.hex()}"
-        return (
-            f"MemoryCache(max_bytes={self._max_bytes}, held={self._held}, "
-            f"closed={self._closed}{auth})"
-        )
+        return f"MemoryCache(max_bytes={self._max_bytes}, held={self._held}, closed={self._closed}{auth})"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -126,9 +121,7 @@ class MemoryCache:
                     self._drop(text)
         return results
 
-    def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         """Store one embedding per key, evicting least recently used entries to fit.
 
         Returns whether each key is held once the whole batch is written. Rewriting a key

@@ -79,9 +79,7 @@ class EmbeddingCache(Protocol):
         """The verified embedding of each key, or None for a miss, in order."""
         ...
 
-    def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         """Store one embedding per key; whether each is held afterwards."""
         ...
 
@@ -110,9 +108,7 @@ class AsyncEmbeddingCache(Protocol):
         """The verified embedding of each key, or None for a miss, in order."""
         ...
 
-    async def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    async def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         """Store one embedding per key; whether each is held afterwards."""
         ...
 

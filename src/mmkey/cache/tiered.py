@@ -165,9 +165,7 @@ class TieredCache:
             self._misses += len(results) - hits
         return results
 
-    def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         """Write each embedding to `l2`, then `l1`; whether each key is held in either."""
         self._check_open()
         texts, _ = insert_args(keys, embeddings)
@@ -195,9 +193,7 @@ class TieredCache:
         _, promoted = self._read_far([keys[i] for i in far], [texts[i] for i in far])
         return sum(near) + promoted
 
-    def _read_far(
-        self, keys: list[CacheKey], texts: list[str]
-    ) -> tuple[list[torch.Tensor | None], int]:
+    def _read_far(self, keys: list[CacheKey], texts: list[str]) -> tuple[list[torch.Tensor | None], int]:
         """`l2`'s answer for `keys`, its hits promoted into `l1`; how many promotions held.
 
         A key written by `insert_batch` after this read began is not promoted: the value

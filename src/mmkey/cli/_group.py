@@ -24,4 +24,3 @@ cli.add_command(key)
 cli.add_command(hash_files)
 cli.add_command(bench)
 cli.add_command(holder)
-

@@ -10,11 +10,21 @@ __all__ = ["bench"]
 
 @click.command()
 @click.option(
-    "--dtype", "dtypes", multiple=True, type=click.Choice(["float32", "bfloat16"]),
-    default=("float32",), show_default=True, help="Repeat to measure several dtypes.",
+    "--dtype",
+    "dtypes",
+    multiple=True,
+    type=click.Choice(["float32", "bfloat16"]),
+    default=("float32",),
+    show_default=True,
+    help="Repeat to measure several dtypes.",
 )
-@click.option("--repeats", type=click.IntRange(1, 50), default=3, show_default=True,
-              help="Timed calls per path; the best is kept.")
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, 50),
+    default=3,
+    show_default=True,
+    help="Timed calls per path; the best is kept.",
+)
 def bench(dtypes: tuple[str, ...], repeats: int) -> None:
     """Hashing throughput of mmkey's schemes against memory read bandwidth.
 

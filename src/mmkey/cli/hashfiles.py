@@ -132,13 +132,15 @@ def _line(h: Hashed, scheme: HashScheme, namespace: str | None, as_json: bool) -
 
 
 @click.command("hash")
-@click.argument(
-    "files", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False)
-)
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--namespace", "-n", help="Print cache keys under this namespace, not digests.")
 @click.option("--scheme", "-s", type=scheme_option_type, default="blake3", show_default=True)
 @click.option(
-    "--modality", "-m", type=modality_option_type, default="image", show_default=True,
+    "--modality",
+    "-m",
+    type=modality_option_type,
+    default="image",
+    show_default=True,
     help="Modality of whole tensors in keys (items of processor outputs know theirs).",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per digest.")

@@ -20,20 +20,42 @@ __all__ = ["holder"]
 
 
 @click.command("holder")
-@click.option("--master", envvar="MOONCAKE_MASTER", metavar="HOST:PORT",
-              help="The Mooncake master to join [env: MOONCAKE_MASTER].")
-@click.option("--host", "local_hostname", envvar="MOONCAKE_LOCAL_HOSTNAME", metavar="ADDRESS",
-              help="Address other processes reach this holder at [env: MOONCAKE_LOCAL_HOSTNAME; "
-                   "default 127.0.0.1].")
-@click.option("--global-segment-size", "segment", envvar="MOONCAKE_GLOBAL_SEGMENT_SIZE",
-              metavar="SIZE", help="Memory lent to the store, e.g. 4GB [env: "
-                                   "MOONCAKE_GLOBAL_SEGMENT_SIZE; default 512MB].")
-@click.option("--port", type=click.IntRange(1, 65535), default=50052, show_default=True,
-              help="The holder's own service port.")
-@click.option("--http-port", type=click.IntRange(1, 65535), default=None,
-              help="Serve the holder's /health and /metrics on this port.")
-@click.option("--print-command", is_flag=True,
-              help="Print the holder's command line and exit instead of running it.")
+@click.option(
+    "--master",
+    envvar="MOONCAKE_MASTER",
+    metavar="HOST:PORT",
+    help="The Mooncake master to join [env: MOONCAKE_MASTER].",
+)
+@click.option(
+    "--host",
+    "local_hostname",
+    envvar="MOONCAKE_LOCAL_HOSTNAME",
+    metavar="ADDRESS",
+    help="Address other processes reach this holder at [env: MOONCAKE_LOCAL_HOSTNAME; default 127.0.0.1].",
+)
+@click.option(
+    "--global-segment-size",
+    "segment",
+    envvar="MOONCAKE_GLOBAL_SEGMENT_SIZE",
+    metavar="SIZE",
+    help="Memory lent to the store, e.g. 4GB [env: MOONCAKE_GLOBAL_SEGMENT_SIZE; default 512MB].",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=50052,
+    show_default=True,
+    help="The holder's own service port.",
+)
+@click.option(
+    "--http-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve the holder's /health and /metrics on this port.",
+)
+@click.option(
+    "--print-command", is_flag=True, help="Print the holder's command line and exit instead of running it."
+)
 def holder(
     master: str | None,
     local_hostname: str | None,

@@ -44,8 +44,7 @@ def checked_device(device: object) -> torch.device | None:
         return device
     if not isinstance(device, str):
         raise TypeError(
-            f"device must be a torch.device or device text such as 'cuda:0', "
-            f"got {type(device).__name__}"
+            f"device must be a torch.device or device text such as 'cuda:0', got {type(device).__name__}"
         )
     try:
         return torch.device(device)
@@ -145,9 +144,7 @@ class EncodePlan:
 
     def take_embeddings(self, result: object) -> None:
         """Take ``get_embeddings``' answer for the keys `take_exists` returned."""
-        values = self._checked(
-            "get_embeddings", result, len(self.fetching), (torch.Tensor, type(None))
-        )
+        values = self._checked("get_embeddings", result, len(self.fetching), (torch.Tensor, type(None)))
         if values is None:
             return  # no answer (counted): every fetched item is encoded
         for slot, value in zip(self.fetching, values, strict=True):
@@ -216,9 +213,7 @@ class EncodePlan:
         """The embeddings in input order, all on one device, and the report of this call."""
         target = self._target_device()
         if target is not None:
-            self.found = [
-                t if t is None or t.device == target else t.to(target) for t in self.found
-            ]
+            self.found = [t if t is None or t.device == target else t.to(target) for t in self.found]
         embeddings = [self.found[s] for s in self.slot_of_item]
         assert all(e is not None for e in embeddings), "every item is found or encoded"
         report = EncodeReport(
@@ -253,9 +248,7 @@ def _check_encoder_output(output: object, expected: int) -> list[torch.Tensor]:
             f"embedding per missed item ({expected}), e.g. list(out.split(tokens_per_item))"
         )
     if isinstance(output, (str, bytes)) or not isinstance(output, Sequence):
-        raise TypeError(
-            f"encode must return a sequence of {expected} tensors, got {type(output).__name__}"
-        )
+        raise TypeError(f"encode must return a sequence of {expected} tensors, got {type(output).__name__}")
     embeddings = list(output)
     if len(embeddings) != expected:
         raise ValueError(
@@ -265,7 +258,6 @@ def _check_encoder_output(output: object, expected: int) -> list[torch.Tensor]:
     for i, embedding in enumerate(embeddings):
         if not isinstance(embedding, torch.Tensor):
             raise TypeError(
-                f"encode returned {type(embedding).__name__} for missed item {i}, "
-                "not a torch.Tensor"
+                f"encode returned {type(embedding).__name__} for missed item {i}, not a torch.Tensor"
             )
     return embeddings

@@ -39,9 +39,7 @@ __all__ = [
 PackedEncoder: TypeAlias = Callable[[torch.Tensor, torch.Tensor], Sequence[torch.Tensor]]
 """``encode(pixel_values, grid_thw)`` of the missed items: packed rows and an [M, 3] grid."""
 
-ListEncoder: TypeAlias = Callable[
-    [list[torch.Tensor], "torch.Tensor | None"], Sequence[torch.Tensor]
-]
+ListEncoder: TypeAlias = Callable[[list[torch.Tensor], "torch.Tensor | None"], Sequence[torch.Tensor]]
 """``encode(features, grid_thw)`` of the missed items: one tensor each, grids if given."""
 
 AsyncPackedEncoder: TypeAlias = Callable[
@@ -132,9 +130,7 @@ def _encode(
         return finished
 
 
-def _steps(
-    plan: EncodePlan, *, cached: bool
-) -> Generator[tuple[str, tuple[Any, ...]], object, EncodeResult]:
+def _steps(plan: EncodePlan, *, cached: bool) -> Generator[tuple[str, tuple[Any, ...]], object, EncodeResult]:
     """The encode path without I/O, shared by the sync and async drivers.
 
     Yields ``(operation, args)``: a cache method name or ``"encode"``; the driver runs it
@@ -211,14 +207,10 @@ def encode_with_cache(
     `TypeError`/`ValueError`; cache failures are swallowed and counted (see
     `encode_with_cache_report`).
     """
-    return _encode(
-        feature, grid_thw, encode, cache, namespace, modality, scheme, device
-    ).embeddings
+    return _encode(feature, grid_thw, encode, cache, namespace, modality, scheme, device).embeddings
 
 
-def _call(
-    plan: EncodePlan, operation: str, method: Callable[..., object], *args: object
-) -> object:
+def _call(plan: EncodePlan, operation: str, method: Callable[..., object], *args: object) -> object:
     try:
         result = method(*args)
     except Exception as exc:  # a cache is an optimisation: never fail the encode
@@ -386,9 +378,7 @@ async def aencode_with_cache(
     loop: wrap a slow model in ``asyncio.to_thread``). Requests of at least
     `~mmkey.encoder.cached.OFFLOAD_HASH_BYTES` are hashed in a worker thread.
     """
-    result = await _aencode(
-        feature, grid_thw, encode, cache, namespace, modality, scheme, device
-    )
+    result = await _aencode(feature, grid_thw, encode, cache, namespace, modality, scheme, device)
     return result.embeddings
 
 

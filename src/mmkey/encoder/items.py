@@ -112,9 +112,7 @@ def _grid(index: int, entry: object) -> Grid:
         try:
             values.append(operator.index(v))
         except TypeError:
-            raise TypeError(
-                f"item {index}: grid {entry!r} holds {type(v).__name__}, not an int"
-            ) from None
+            raise TypeError(f"item {index}: grid {entry!r} holds {type(v).__name__}, not an int") from None
     t, h, w = values
     if min(values) < 1:
         raise ValueError(f"item {index}: grid ({t}, {h}, {w}) must have t, h and w >= 1")
@@ -167,8 +165,7 @@ def _check_item_rows(rows: list[torch.Tensor], grids: list[Grid]) -> None:
         have = item.shape[0] if item.dim() else 0
         if have != t * h * w:
             raise ValueError(
-                f"item {i}: grid {grid} needs t*h*w = {t * h * w} rows, "
-                f"but its feature tensor has {have}"
+                f"item {i}: grid {grid} needs t*h*w = {t * h * w} rows, but its feature tensor has {have}"
             )
 
 

@@ -64,10 +64,7 @@ class EncodeReport:
         if not isinstance(other, EncodeReport):
             return NotImplemented
         return EncodeReport(
-            **{
-                f.name: getattr(self, f.name) + getattr(other, f.name)
-                for f in attrs.fields(EncodeReport)
-            }
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in attrs.fields(EncodeReport)}
         )
 
 

@@ -73,8 +73,7 @@ ENV_PREVIOUS: Final = "MMKEY_ENTRY_KEY_PREVIOUS"
 """Previous secrets with their not-after times: ``path@2026-12-31T00:00:00Z,...``."""
 _RETIRED_VARIABLES: Final = {
     "MMKEY_ENTRY_ACCEPT_UNAUTHENTICATED": (
-        f"a migration window ends: set {ENV_AUTH}=migrate and {ENV_MIGRATE_UNTIL}="
-        "<ISO-8601 UTC time> instead"
+        f"a migration window ends: set {ENV_AUTH}=migrate and {ENV_MIGRATE_UNTIL}=<ISO-8601 UTC time> instead"
     ),
     "MMKEY_ENTRY_KEY_PREVIOUS_FILES": (
         f"previous secrets expire: set {ENV_PREVIOUS}=<path>@<ISO-8601 UTC not-after>,... instead"
@@ -91,7 +90,7 @@ _MAC_CONTEXT = "mmkey 2026-11-30 entry MAC key v1"
 _ID_CONTEXT = "mmkey 2026-11-30 entry secret id v1"
 _HEX = re.compile(rb"[0-9a-fA-F]{64}")
 _SECRET_HINT = (
-    "make one with: (umask 077; python3 -c \"import secrets; print(secrets.token_hex(32), "
+    'make one with: (umask 077; python3 -c "import secrets; print(secrets.token_hex(32), '
     "end='')\" > entry.key), then MMKEY_ENTRY_KEY_FILE=entry.key"
 )
 _LOG = logging.getLogger("mmkey.cache.auth")
@@ -129,8 +128,7 @@ def parse_utc(text: str, what: str) -> dt.datetime:
         when = None
     if when is None or when.utcoffset() != dt.timedelta(0):
         raise ValueError(
-            f"{what}: cannot read {text!r} as an ISO-8601 UTC time; write e.g. "
-            "2026-12-31T00:00:00Z"
+            f"{what}: cannot read {text!r} as an ISO-8601 UTC time; write e.g. 2026-12-31T00:00:00Z"
         )
     return when.astimezone(dt.timezone.utc)
 
@@ -172,7 +170,7 @@ def _hex_secret(text: bytes, what: str) -> bytes:
     if stripped != text and _HEX.fullmatch(stripped):
         raise ValueError(
             f"{what} has white space around its 64 hex digits (a trailing newline?); a fleet "
-            "must agree on the bytes: rewrite it without, e.g. printf %s \"$KEY\" > entry.key, "
+            'must agree on the bytes: rewrite it without, e.g. printf %s "$KEY" > entry.key, '
             "or python3 -c \"print(secrets.token_hex(32), end='')\""
         )
     raise ValueError(
@@ -233,9 +231,7 @@ class EntrySecret:
     """When entries made with this secret stop being accepted; None for no end."""
 
     @classmethod
-    def from_secret(
-        cls, secret: bytes | str, *, not_after: dt.datetime | None = None
-    ) -> EntrySecret:
+    def from_secret(cls, secret: bytes | str, *, not_after: dt.datetime | None = None) -> EntrySecret:
         """Derive the MAC key and the id from ``secret``: exactly 32 random bytes, or those
         bytes as 64 hex digits. Passwords, short or padded secrets raise `ValueError`."""
         raw = _secret_bytes(secret, "the entry secret")
@@ -345,14 +341,10 @@ class EntryKeyring:
         previous_text = env.get(ENV_PREVIOUS, "")
         if mode is AuthMode.OFF:
             if current is not None or previous_text:
-                raise ValueError(
-                    f"{ENV_AUTH}=off with an entry secret set: unset {ENV_AUTH} or the secret"
-                )
+                raise ValueError(f"{ENV_AUTH}=off with an entry secret set: unset {ENV_AUTH} or the secret")
             return None
         if (mode is AuthMode.MIGRATE) != (until_text is not None):
-            raise ValueError(
-                f"{ENV_AUTH}=migrate and {ENV_MIGRATE_UNTIL}=<ISO-8601 UTC time> go together"
-            )
+            raise ValueError(f"{ENV_AUTH}=migrate and {ENV_MIGRATE_UNTIL}=<ISO-8601 UTC time> go together")
         if current is None:
             if previous_text or mode is AuthMode.MIGRATE:
                 raise ValueError(
@@ -415,9 +407,7 @@ def _read_secret(path: str, variable: str) -> EntrySecret:
             mode = os.fstat(f.fileno()).st_mode
             raw = f.read(4096)
     except OSError as exc:
-        raise ValueError(
-            f"{variable}: cannot read the entry secret file {path!r} ({exc.strerror})"
-        ) from None
+        raise ValueError(f"{variable}: cannot read the entry secret file {path!r} ({exc.strerror})") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ValueError(
             f"{what} is readable or writable by group or others (mode "
@@ -435,9 +425,7 @@ def auth_mode(environ: Mapping[str, str] | None = None) -> AuthMode | None:
     try:
         return AuthMode(text)
     except ValueError:
-        raise ValueError(
-            f"{ENV_AUTH} must be required, migrate or off, got {text[:40]!r}"
-        ) from None
+        raise ValueError(f"{ENV_AUTH} must be required, migrate or off, got {text[:40]!r}") from None
 
 
 def keyring_for_cache(

@@ -251,9 +251,7 @@ def _key_bytes(key: str) -> bytes:
 
 def _plain_cpu(tensor: torch.Tensor, rt: _Runtime) -> tuple[torch.Tensor, int]:
     """``tensor`` as a contiguous CPU tensor without conj/neg bits, and its dtype code."""
-    t = plain_cpu(
-        tensor, "store", "embeddings must be torch.Tensor", "convert with torch.as_tensor(x)"
-    )
+    t = plain_cpu(tensor, "store", "embeddings must be torch.Tensor", "convert with torch.as_tensor(x)")
     code = rt.code_of.get(t.dtype)
     if code is None:
         raise TypeError(f"cannot store dtype {t.dtype}; convert it to a standard dtype first")
@@ -283,9 +281,7 @@ def _header(
     flags = 0 if secret is None else _SIGNED_FLAGS
     size = _header_size(ndim, len(key), flags)
     head = bytearray(size)
-    _FIXED.pack_into(
-        head, 0, MAGIC, FORMAT_VERSION, code, ndim, flags, len(key), size, 0, payload, b""
-    )
+    _FIXED.pack_into(head, 0, MAGIC, FORMAT_VERSION, code, ndim, flags, len(key), size, 0, payload, b"")
     at = _shape_at(flags)
     if secret is not None:
         head[_ID_AT:_AUTH_END] = secret.key_id
@@ -507,9 +503,7 @@ def _private_header(view: memoryview) -> bytes:
 def _parse(header: bytes, size: int, rt: _Runtime) -> _Parsed:
     """The fields of the entry of `size` bytes whose header is `header` (a private copy),
     checked for consistency (not the checksum)."""
-    magic, version, code, ndim, flags, key_len, head, reserved, payload, _ = _FIXED.unpack_from(
-        header
-    )
+    magic, version, code, ndim, flags, key_len, head, reserved, payload, _ = _FIXED.unpack_from(header)
     if magic != MAGIC:
         raise CorruptEntry(f"not an mmkey entry: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
@@ -523,9 +517,7 @@ def _parse(header: bytes, size: int, rt: _Runtime) -> _Parsed:
     if dtype is None:
         raise CorruptEntry(f"entry dtype code {code} is unknown to this mmkey and torch")
     if ndim > MAX_NDIM or key_len == 0 or head != _header_size(ndim, key_len, flags):
-        raise CorruptEntry(
-            f"entry header length {head} does not fit ndim {ndim} and key length {key_len}"
-        )
+        raise CorruptEntry(f"entry header length {head} does not fit ndim {ndim} and key length {key_len}")
     if size != head + payload:
         what = "truncated" if size < head + payload else "extended"
         raise CorruptEntry(f"{what} entry: {size} bytes, the header says {head + payload}")
@@ -611,15 +603,11 @@ def decode_entry(
     dtype, payload = parsed.dtype, parsed.payload_size
     if not payload:
         return torch.empty(parsed.shape, dtype=dtype)
-    tensor = torch.frombuffer(
-        view, dtype=dtype, count=payload // dtype.itemsize, offset=parsed.header_size
-    )
+    tensor = torch.frombuffer(view, dtype=dtype, count=payload // dtype.itemsize, offset=parsed.header_size)
     return tensor.view(parsed.shape)
 
 
-def verify_entry(
-    key: str, data: Buffer, *, keyring: EntryKeyring | None = None
-) -> tuple[torch.Tensor, bool]:
+def verify_entry(key: str, data: Buffer, *, keyring: EntryKeyring | None = None) -> tuple[torch.Tensor, bool]:
     """`decode_entry` (copying), and whether the entry was served without a MAC under
     ``keyring`` (its migration window); for caches that count those."""
     rt = _runtime or _rt()
@@ -797,8 +785,7 @@ def _runs(value: object, rt: _Runtime, function: str, what: str) -> _Runs:
             raise TypeError(f"{function}() {what} must be torch.Tensor, got {type(item).__name__}")
         if item.layout != torch.strided:
             raise TypeError(
-                f"{function}() {what} must be dense tensors, got layout {item.layout}; "
-                "call .to_dense() first"
+                f"{function}() {what} must be dense tensors, got layout {item.layout}; call .to_dense() first"
             )
         if item.device.type != "cpu" or not item.is_contiguous() or item.is_conj() or item.is_neg():
             raise ValueError(

@@ -202,9 +202,7 @@ class FakeMooncakeMaster:
         self.address: str = f"{host}:{self._listener.getsockname()[1]}"
         """``"host:port"`` to give clients as the master's address."""
         self._stopping = threading.Event()
-        self._answering = threading.Thread(
-            target=self._answer_pings, name="mmkey-fake-master", daemon=True
-        )
+        self._answering = threading.Thread(target=self._answer_pings, name="mmkey-fake-master", daemon=True)
         self._answering.start()
         with _MASTERS_LOCK:
             _MASTERS[self.address] = self
@@ -626,9 +624,7 @@ class FakeMooncakeStore(_StoreBase):
             return []
         return master._replicas(_check_key(key))
 
-    def batch_get_replica_desc(
-        self, keys: list[str]
-    ) -> dict[str, list[mooncake.store.ReplicaDescriptor]]:
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[mooncake.store.ReplicaDescriptor]]:
         """Where each held key's replicas sit; absent keys are left out (all on a fault)."""
         master = self._call("batch_get_replica_desc")
         if isinstance(master, int):
@@ -778,18 +774,14 @@ class FakeMooncakeStore(_StoreBase):
             return INVALID_PARAMS
         return master._store(key, data, self._endpoint, _replica_num(config), replace)
 
-    def put_from(
-        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
-    ) -> int:
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         """0 (an existing key keeps its value), or a negative code."""
         master = self._call("put_from")
         if isinstance(master, int):
             return master
         return self._put_spans(key, [buffer_ptr], [size], config, False)
 
-    def upsert_from(
-        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
-    ) -> int:
+    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         """0 (replacing an existing value), or a negative code."""
         master = self._call("upsert_from")
         if isinstance(master, int):
@@ -847,9 +839,7 @@ class FakeMooncakeStore(_StoreBase):
         spans = zip(keys, buffer_ptrs, sizes, strict=True)
         return [self._put_spans(k, [p], [n], config, True) for k, p, n in spans]
 
-    def batch_get_into(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[int]:
+    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         """Bytes read or a negative code per key. A key given twice is read into its last
         buffer only; its earlier buffers are left as they were, reported as read (measured)."""
         master = self._call("batch_get_into")
@@ -895,9 +885,7 @@ class FakeMooncakeStore(_StoreBase):
             return [master] * len(keys)
         if not self._same_lengths(keys, all_buffer_ptrs, all_sizes):
             return [INVALID_PARAMS] * len(keys)
-        return [
-            self._scatter(k, p, n) for k, p, n in zip(keys, all_buffer_ptrs, all_sizes, strict=True)
-        ]
+        return [self._scatter(k, p, n) for k, p, n in zip(keys, all_buffer_ptrs, all_sizes, strict=True)]
 
     def __repr__(self) -> str:
         state = "not set up" if self._master is None else f"at {self._endpoint}"

@@ -572,14 +572,22 @@ def running_fleet(
             def make_holder(index: int) -> HolderProcess:
                 if network is None:
                     return HolderProcess(
-                        name=f"holder{index}", master=master, workdir=workdir,
-                        segment_size=segment_size, timeout=timeout,
+                        name=f"holder{index}",
+                        master=master,
+                        workdir=workdir,
+                        segment_size=segment_size,
+                        timeout=timeout,
                     )
                 ns, outer, inner, address = network.add_namespace(index)
                 return HolderProcess(
-                    name=f"holder{index}", master=master, workdir=workdir,
-                    segment_size=segment_size, host=address, netns=ns,
-                    links=(outer, inner), timeout=timeout,
+                    name=f"holder{index}",
+                    master=master,
+                    workdir=workdir,
+                    segment_size=segment_size,
+                    host=address,
+                    netns=ns,
+                    links=(outer, inner),
+                    timeout=timeout,
                 )
 
             fleet = Fleet(master, started, client_host=host, network=network, make_holder=make_holder)

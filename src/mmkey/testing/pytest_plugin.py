@@ -30,9 +30,7 @@ REQUIRE_ENV = "MMKEY_REQUIRE_MOONCAKE"
 
 def pytest_configure(config: pytest.Config) -> None:
     """Declare the ``mooncake`` marker so suites using ``--strict-markers`` accept it."""
-    config.addinivalue_line(
-        "markers", "mooncake: needs the Mooncake binding and a local mooncake_master"
-    )
+    config.addinivalue_line("markers", "mooncake: needs the Mooncake binding and a local mooncake_master")
 
 
 def _unless(reason: str | None) -> None:

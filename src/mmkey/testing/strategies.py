@@ -36,7 +36,7 @@ HOSTILE_NAMESPACES: tuple[str, ...] = (
     "%",
     "%41",
     "%2f",
-    "a/b\\c:d*e?f\"g<h>i|j",
+    'a/b\\c:d*e?f"g<h>i|j',
     " ",
     "tab\there",
     "line\n",

@@ -58,9 +58,7 @@ def _target_runs(values: object, count: int, function: str, what: str) -> list[l
     """One list of payload runs per key (see `read_into`), checked before anything moves;
     errors name `function` and `what`."""
     if not isinstance(values, (list, tuple)):
-        raise TypeError(
-            f"{function}() takes a list of {what} (one per key), got {type(values).__name__}"
-        )
+        raise TypeError(f"{function}() takes a list of {what} (one per key), got {type(values).__name__}")
     if len(values) != count:
         raise ValueError(f"{function}() got {count} keys and {len(values)} {what}")
     return [payload_runs(value, function, what) for value in values]
@@ -193,9 +191,7 @@ class MooncakeCache:
         self._counts.add(hits=hits, misses=len(result) - hits)
         return result
 
-    def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         """Store each embedding under its key, replacing what was there; whether each is stored.
 
         A key given twice in one batch stores its last embedding.
@@ -203,7 +199,7 @@ class MooncakeCache:
         give_up = self._give_up()  # the timeout counts from the call, checks included
         self._check_open()
         texts, tensors = insert_args(keys, embeddings)
-        latest = dict(zip(texts, tensors))
+        latest = dict(zip(texts, tensors, strict=True))
         stored = self._writer.write(list(latest), list(latest.values()), give_up) if latest else {}
         self._counts.add(inserts=sum(stored.values()))
         return [stored.get(text, False) for text in texts]
@@ -260,7 +256,7 @@ class MooncakeCache:
         landed: set[int] = set()
         by_text: dict[str, list[int]] = {}  # a key given twice fills both targets
         bounds: dict[str, int] = {}  # the largest entry each key's targets can take
-        for i, (text, runs) in enumerate(zip(texts, plans)):
+        for i, (text, runs) in enumerate(zip(texts, plans, strict=True)):
             by_text.setdefault(text, []).append(i)
             nbytes = sum(nbytes_of(t) for t in runs)
             bounds[text] = max(bounds.get(text, 0), largest_entry_size(text, nbytes, runs[0].dim()))
@@ -307,7 +303,7 @@ class MooncakeCache:
         self._check_open()
         texts = key_texts(keys, "insert_from")
         plans = _target_runs(payloads, len(texts), "insert_from", "payloads")
-        latest = dict(zip(texts, plans))
+        latest = dict(zip(texts, plans, strict=True))
         stored = self._writer.write_from(latest, self._give_up()) if latest else {}
         self._counts.add(inserts=sum(stored.values()))
         return [stored.get(text, False) for text in texts]

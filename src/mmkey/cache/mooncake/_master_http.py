@@ -56,8 +56,7 @@ def read_health(host: str, port: int, timeout: float = 1.0) -> dict[str, object]
 def samples(text: str) -> Iterator[tuple[str, str, str]]:
     """``(name, labels, value)`` of each sample line of Prometheus text; ``labels`` is the
     braced label text (``'{segment="h:p"}'``) or ``""``, ``value`` is not parsed."""
-    for name, labels, value in _SAMPLE.findall(text):
-        yield name, labels, value
+    yield from _SAMPLE.findall(text)
 
 
 def segment_names(text: str) -> set[str]:

@@ -70,7 +70,10 @@ class Reader:
     def __init__(self, parts: CacheParts) -> None:
         self._parts = parts
         self._refusals = RateLimitedLog(
-            LOG, logging.WARNING, "Mooncake entries that did not verify, served as misses: %s%s", period=LOG_EVERY_S
+            LOG,
+            logging.WARNING,
+            "Mooncake entries that did not verify, served as misses: %s%s",
+            period=LOG_EVERY_S,
         )
         self._grouped_until = 0.0  # reads look holders up until then (after a failure)
 
@@ -134,9 +137,7 @@ class Reader:
                 if pending:
                     groups[endpoint] = pending
                 slot = min(slots.slot_for(len(chunk)), aligned(max(map(bound, chunk))))
-                work = functools.partial(
-                    _transfer_on_worker, chunk=chunk, slot=slot, give_up=give_up
-                )
+                work = functools.partial(_transfer_on_worker, chunk=chunk, slot=slot, give_up=give_up)
                 inflight.append((endpoint, chunk, slot, self._parts.transport.submit(lane, work)))
 
         submit_more()
@@ -227,7 +228,8 @@ class Reader:
         largest = 0
         failed: list[str] = []
         try:
-            for i, (text, code) in enumerate(zip(chunk, codes)):
+            # strict=False: keys the binding's answer leaves out are misses
+            for i, (text, code) in enumerate(zip(chunk, codes, strict=False)):
                 if code > bound(text):
                     self._oversized(text, code, bound(text))
                 elif code > 0:
@@ -354,9 +356,7 @@ def _transfer_on_worker(
     return staging, codes
 
 
-def _probe_on_worker(
-    store: MooncakeDistributedStore, endpoint: str, keys: list[str], limit: int
-) -> bool:
+def _probe_on_worker(store: MooncakeDistributedStore, endpoint: str, keys: list[str], limit: int) -> bool:
     """Whether a quarantined holder may be read again: the master no longer lists it for
     the keys it failed on, or one of them (no larger than `limit`) reads back from it
     in full."""

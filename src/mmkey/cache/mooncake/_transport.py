@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import attrs
 
+from mmkey._deadline import Breaker, Call, CallTimeout, DeadlineRunner
 from mmkey.cache.mooncake._net import parse_host_port
 from mmkey.cache.mooncake._ping import master_answers
-from mmkey.cache.mooncake._staging import ReadSlots, Staging
 from mmkey.cache.mooncake._quarantine import Quarantine
-from mmkey._deadline import Breaker, Call, CallTimeout, DeadlineRunner
+from mmkey.cache.mooncake._staging import ReadSlots, Staging
 from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.errors import StoreClosed, StoreError
 
@@ -240,9 +240,7 @@ class StoreTransport:
         A set-up still running then finishes on the metadata lane; a later call finds it.
         """
         try:
-            ok = self._meta.call(
-                functools.partial(self._setup_on_lane, give_up), give_up - time.monotonic()
-            )
+            ok = self._meta.call(functools.partial(self._setup_on_lane, give_up), give_up - time.monotonic())
         except (CallTimeout, StoreClosed):
             ok = False
         if not ok:
@@ -276,9 +274,7 @@ class StoreTransport:
         if not self.ready(give_up):
             return None
         try:
-            result = self._meta.call(
-                functools.partial(self._run, fn), give_up - time.monotonic()
-            )
+            result = self._meta.call(functools.partial(self._run, fn), give_up - time.monotonic())
         except StoreClosed:
             return None
         except StoreError:
@@ -304,9 +300,7 @@ class StoreTransport:
                 return self.lanes[i]
         return None
 
-    def submit(
-        self, lane: Lane, fn: Callable[[MooncakeDistributedStore, Staging], T]
-    ) -> Pending[T]:
+    def submit(self, lane: Lane, fn: Callable[[MooncakeDistributedStore, Staging], T]) -> Pending[T]:
         """Queue `fn(store, lane.staging)` on `lane`."""
         return Pending(lane, lane.runner.submit(functools.partial(self._run_with, fn, lane.staging)))
 
@@ -410,9 +404,7 @@ class StoreTransport:
             raise StoreClosed("store closed")
         return fn(store)
 
-    def _run_with(
-        self, fn: Callable[[MooncakeDistributedStore, Staging], T], staging: Staging
-    ) -> T:
+    def _run_with(self, fn: Callable[[MooncakeDistributedStore, Staging], T], staging: Staging) -> T:
         store = self._store
         if store is None or self._closed:
             raise StoreClosed("store closed")

@@ -56,12 +56,10 @@ class Writer:
         self._parts = parts
         self._replicas: ReplicateConfig | None = None  # made on first write
 
-    def write(
-        self, texts: list[str], tensors: list[torch.Tensor], give_up: float
-    ) -> dict[str, bool]:
+    def write(self, texts: list[str], tensors: list[torch.Tensor], give_up: float) -> dict[str, bool]:
         """Upsert entries through the staging buffer on the worker, within one timeout."""
         keyring = self._parts.keyring
-        sizes = [entry_size(text, t, keyring=keyring) for text, t in zip(texts, tensors)]
+        sizes = [entry_size(text, t, keyring=keyring) for text, t in zip(texts, tensors, strict=True)]
         ready = host_ready(tensors)  # CUDA tensors: an event on the caller's current stream
         # The worker reads the caller's tensors only while holding `reading`, and never
         # after the caller stopped waiting (`released`): a caller that timed out may reuse
@@ -95,7 +93,7 @@ class Writer:
             stored: dict[str, bool] = {}
             batch: list[tuple[str, int, int]] = []  # key text, offset, size
             used = 0
-            for text, t, size in zip(texts, tensors, sizes):
+            for text, t, size in zip(texts, tensors, sizes, strict=True):
                 if size > staging.nbytes:
                     out_of_time(give_up)
                     stored[text] = self._write_large_on_worker(store, text, t, size, encode)
@@ -127,9 +125,7 @@ class Writer:
             with reading:
                 pass
 
-    def write_from(
-        self, latest: dict[str, list[torch.Tensor]], give_up: float
-    ) -> dict[str, bool]:
+    def write_from(self, latest: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, bool]:
         """Store payloads held in runs: straight from registered memory when the key is new,
         through staging otherwise (Mooncake's multi-buffer put never replaces an entry)."""
         direct: dict[str, list[torch.Tensor]] = {}
@@ -156,7 +152,7 @@ class Writer:
             if not RPC_FAILURES.isdisjoint(codes):
                 transport.fail()
                 return stored
-            for text, code in zip(texts, codes):
+            for text, code in zip(texts, codes, strict=False):  # unanswered keys: not stored
                 if code == 1 or not registered_now:
                     staged[text] = direct.pop(text)
             stored.update(self._put_direct(direct, give_up))
@@ -167,9 +163,7 @@ class Writer:
             stored.update(self.write(list(staged), tensors, give_up))
         return stored
 
-    def _put_direct(
-        self, payloads: dict[str, list[torch.Tensor]], give_up: float
-    ) -> dict[str, bool]:
+    def _put_direct(self, payloads: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, bool]:
         """Multi-buffer puts of header (from a lane's staging) and payload runs (from the
         caller's registered memory), one chunk at a time: the caller's thread seals the next
         chunk while a lane moves the one before."""
@@ -233,17 +227,16 @@ class Writer:
                 sizes.append([len(head), *(nbytes_of(t) for t in runs)])
                 at += aligned(len(head))
             codes = self._placed(store.batch_put_from_multi_buffers, keys, ptrs, sizes)
-            return {text: code == 0 for text, code in zip(keys, codes)}
+            # strict=False: keys the binding's answer leaves out are not stored
+            return {text: code == 0 for text, code in zip(keys, codes, strict=False)}
         finally:
             lane_staging.lease.release()
 
     def _placed(self, write: Callable[..., list[int]], *args: object) -> list[int]:
         """`write(*args)` (a batch write of the binding) with `config.replica_num` copies
         (Mooncake's default placement for one); `StoreError` if the master did not answer."""
-        if self._parts.config.replica_num == 1:
-            codes = write(*args)
-        else:
-            codes = write(*args, self._replicate())
+        one_copy = self._parts.config.replica_num == 1
+        codes = write(*args) if one_copy else write(*args, self._replicate())
         if not RPC_FAILURES.isdisjoint(codes):
             name = getattr(write, "__name__", "batch write")
             raise StoreError(f"{name}: master unreachable ({codes[0]})")
@@ -268,7 +261,8 @@ class Writer:
         ptrs = [base + offset for _, offset, _ in batch]
         sizes = [size for _, _, size in batch]
         codes = self._placed(store.batch_upsert_from, keys, ptrs, sizes)
-        return {text: code == 0 for text, code in zip(keys, codes)}
+        # strict=False: keys the binding's answer leaves out are not stored
+        return {text: code == 0 for text, code in zip(keys, codes, strict=False)}
 
     def _write_large_on_worker(
         self,

@@ -20,8 +20,23 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 # the transports mooncake-transfer-engine 0.3.13 sets up for a store client (its
 # mooncake_config.py lists them; which work depends on the build and the hardware)
 _PROTOCOLS = frozenset(
-    {"tcp", "rdma", "efa", "nvmeof", "nvlink", "nvlink_intra", "musa", "hip", "barex", "cxl",
-     "ascend", "ub", "ubshmem", "maca", "sunrise_link"}
+    {
+        "tcp",
+        "rdma",
+        "efa",
+        "nvmeof",
+        "nvlink",
+        "nvlink_intra",
+        "musa",
+        "hip",
+        "barex",
+        "cxl",
+        "ascend",
+        "ub",
+        "ubshmem",
+        "maca",
+        "sunrise_link",
+    }
 )
 
 
@@ -80,9 +95,7 @@ def _protocol(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"MooncakeConfig.protocol must be text such as 'tcp', got {value!r}")
     if value not in _PROTOCOLS:
-        raise ValueError(
-            f"MooncakeConfig.protocol must be one of {sorted(_PROTOCOLS)}, got {value!r}"
-        )
+        raise ValueError(f"MooncakeConfig.protocol must be one of {sorted(_PROTOCOLS)}, got {value!r}")
 
 
 @attrs.frozen(slots=True, kw_only=True)

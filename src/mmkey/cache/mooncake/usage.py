@@ -16,7 +16,6 @@ from mmkey.cache.mooncake._net import parse_host_port
 __all__ = ["StoreUsage", "parse_master_metrics", "read_master_usage"]
 
 
-
 @attrs.frozen(slots=True, kw_only=True)
 class StoreUsage:
     """The master's own counts for the whole store (every client's entries, not just ours)."""

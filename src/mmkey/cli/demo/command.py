@@ -65,11 +65,13 @@ def _held_rows(result: DemoResult, usage: StoreUsage | None, metrics: str | None
         ("written by this client", f"{stats.inserts} entries"),
     ]
     if usage is not None:
-        rows.append((
-            "store, master's count",
-            f"{usage.keys} keys, {usage.allocated_bytes / 1e6:.1f} MB of "
-            f"{usage.capacity_bytes / 1e6:.0f} MB in {usage.segments} segment(s), all clients",
-        ))
+        rows.append(
+            (
+                "store, master's count",
+                f"{usage.keys} keys, {usage.allocated_bytes / 1e6:.1f} MB of "
+                f"{usage.capacity_bytes / 1e6:.0f} MB in {usage.segments} segment(s), all clients",
+            )
+        )
     elif metrics is not None:
         rows.append(("store, master's count", f"unknown: no answer from http://{metrics}/metrics"))
     else:
@@ -103,13 +105,11 @@ def _summary(
         )
         table.add_row("speed-up", f"{result.speedup or 0.0:.2f}x")
         table.caption = (
-            "without the cache: the same requests, every image through the same encoder, "
-            "timed alongside"
+            "without the cache: the same requests, every image through the same encoder, timed alongside"
         )
     table.add_row(
         "hashed",
-        f"{r.hashed_bytes / 1e6:.0f} MB in {r.hash_seconds * 1e3:.0f} ms "
-        f"({result.hash_gb_per_s:.2f} GB/s)",
+        f"{r.hashed_bytes / 1e6:.0f} MB in {r.hash_seconds * 1e3:.0f} ms ({result.hash_gb_per_s:.2f} GB/s)",
     )
     table.add_row(
         "time in cache calls",
@@ -119,8 +119,7 @@ def _summary(
         table.add_row(name, value)
     table.add_row(
         "cache failures",
-        f"{r.cache_errors} swallowed, {r.stale} stale entries, "
-        f"{r.insert_failures} inserts refused",
+        f"{r.cache_errors} swallowed, {r.stale} stale entries, {r.insert_failures} inserts refused",
     )
     if result.max_abs_diff is not None:
         table.add_row("results vs. no cache", f"max |diff| {result.max_abs_diff:.2e}")
@@ -129,24 +128,53 @@ def _summary(
 
 @click.command()
 @click.option("--requests", type=click.IntRange(1), default=80, show_default=True)
-@click.option("--pool", type=click.IntRange(1), default=100, show_default=True,
-              help="Distinct images the stream draws from (Zipf-like popularity).")
-@click.option("--max-images", type=click.IntRange(1), default=4, show_default=True,
-              help="Most images in one request.")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed of the stream and of the encoder's weights.")
+@click.option(
+    "--pool",
+    type=click.IntRange(1),
+    default=100,
+    show_default=True,
+    help="Distinct images the stream draws from (Zipf-like popularity).",
+)
+@click.option(
+    "--max-images", type=click.IntRange(1), default=4, show_default=True, help="Most images in one request."
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the stream and of the encoder's weights."
+)
 @click.option("--scheme", type=scheme_option_type, default="blake3", show_default=True)
-@click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
-              show_default=True, help="memory: the embedded MemoryCache; mooncake: a store.")
-@click.option("--master", envvar="MOONCAKE_MASTER", metavar="HOST:PORT",
-              help="Mooncake master for --store mooncake [env: MOONCAKE_MASTER].")
-@click.option("--master-metrics", envvar="MMKEY_MASTER_METRICS", metavar="HOST:PORT",
-              help="The master's metrics endpoint (its --metrics_port), to report what the "
-                   "store holds [env: MMKEY_MASTER_METRICS].")
-@click.option("--cache-mb", type=click.IntRange(1), default=256, show_default=True,
-              help="Byte budget of the memory cache, in MiB.")
-@click.option("--baseline/--no-baseline", default=True, show_default=True,
-              help="Also encode every request without the cache, to time and check it.")
+@click.option(
+    "--store",
+    type=click.Choice(["memory", "mooncake"]),
+    default="memory",
+    show_default=True,
+    help="memory: the embedded MemoryCache; mooncake: a store.",
+)
+@click.option(
+    "--master",
+    envvar="MOONCAKE_MASTER",
+    metavar="HOST:PORT",
+    help="Mooncake master for --store mooncake [env: MOONCAKE_MASTER].",
+)
+@click.option(
+    "--master-metrics",
+    envvar="MMKEY_MASTER_METRICS",
+    metavar="HOST:PORT",
+    help="The master's metrics endpoint (its --metrics_port), to report what the "
+    "store holds [env: MMKEY_MASTER_METRICS].",
+)
+@click.option(
+    "--cache-mb",
+    type=click.IntRange(1),
+    default=256,
+    show_default=True,
+    help="Byte budget of the memory cache, in MiB.",
+)
+@click.option(
+    "--baseline/--no-baseline",
+    default=True,
+    show_default=True,
+    help="Also encode every request without the cache, to time and check it.",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def demo(
     requests: int,

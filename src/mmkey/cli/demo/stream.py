@@ -57,9 +57,7 @@ def synthetic_image(image_id: int, seed: int = 0) -> torch.Tensor:
     return ((smooth * 0.9 + grain) * 255).to(torch.uint8)
 
 
-def patchify(
-    image: torch.Tensor, config: VisionConfig = VisionConfig()
-) -> tuple[torch.Tensor, Grid]:
+def patchify(image: torch.Tensor, config: VisionConfig = VisionConfig()) -> tuple[torch.Tensor, Grid]:
     """Qwen2-VL processing of one image: normalise, repeat over the temporal patch, and
     cut into ``[t*h*w, C*tp*p*p]`` patch rows, each 2x2 merge window contiguous."""
     p, tp, m = config.patch, config.temporal_patch, config.merge

@@ -60,10 +60,10 @@ if TYPE_CHECKING:
     from mmkey.integrations.sglang._pools import REGISTRATION_ORDER
     from mmkey.integrations.sglang._settings import (
         BACKEND_ENV,
-        TIMEOUT_ENV,
         DEFAULT_TIMEOUT,
         HASH_ENV,
         NAMESPACE_ENV,
+        TIMEOUT_ENV,
         SGLangConfigError,
         config_from_env,
         namespace_from_env,
