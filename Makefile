@@ -109,7 +109,7 @@ $(VLLM_VENV)/.ready: pyproject.toml $(VLLM_VENV)/.packages
 # an environment of its own (scripts/vllm-engine-env.sh, about 35 s from the local wheels).
 VLLM_ENGINE_VENV := .venv-vllm-engine
 VLLM_ENGINE_BIN := $(VLLM_ENGINE_VENV)/bin
-VLLM_TESTS := tests/test_vllm_connector.py tests/test_vllm_stubs.py
+VLLM_TESTS := tests/integrations/vllm/test_vllm_connector.py tests/integrations/vllm/test_vllm_stubs.py
 
 $(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt pyproject.toml
 	sh scripts/install-system-deps.sh
@@ -125,7 +125,7 @@ test-vllm-wheel: $(VLLM_VENV)/.ready
 
 test-vllm-engine: $(VLLM_ENGINE_VENV)/.ready
 	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
-	    $(VLLM_TESTS) tests/test_vllm_engine.py
+	    $(VLLM_TESTS) tests/integrations/vllm/test_vllm_engine.py
 
 # Every check, in three steps. The dev environment first (it installs the system packages
 # once). Then, side by side (each lane printing its output when it ends): the pytest suite on
@@ -159,8 +159,8 @@ static-checks: $(VENV)/.dev
 # (scripts/sglang-env.sh).
 SGLANG_PYTHON ?= python3.11
 SGLANG_VENV := .venv-sglang
-SGLANG_TESTS := tests/test_sglang_store.py tests/test_sglang_plugin.py tests/test_sglang_keys.py tests/test_sglang_pools.py \
-    tests/test_sglang_settings.py tests/test_sglang_lookup.py
+SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test_sglang_plugin.py test_sglang_keys.py \
+    test_sglang_pools.py test_sglang_settings.py test_sglang_lookup.py)
 
 $(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml
 	sh scripts/install-system-deps.sh

@@ -42,10 +42,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent / "tests"
-sys.path.insert(0, str(TESTS))
+ROOT = HERE.parent
+ENGINE_RUN = ROOT / "tests" / "integrations" / "vllm" / "vllm_engine_run.py"
+sys.path.insert(0, str(ROOT))
 
-from vllm_engine_model import build_tiny_llava  # noqa: E402
+from tests.integrations.vllm.vllm_engine_model import build_tiny_llava  # noqa: E402
 
 from mmkey.testing.fleet import running_fleet  # noqa: E402
 
@@ -68,18 +69,18 @@ def engine_env() -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_HOST_IP="127.0.0.1",  # Mooncake's transfer engine advertises this address: loopback only
         MC_LOG_LEVEL="ERROR",
-        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
 
 
 def launch(workdir: Path, name: str, spec: dict[str, Any]) -> subprocess.Popen[bytes]:
-    """Start one engine run (`tests/vllm_engine_run.py`) in a fresh process."""
+    """Start one engine run (`tests/integrations/vllm/vllm_engine_run.py`) in a fresh process."""
     spec_path, out_path = workdir / f"{name}.json", workdir / f"{name}.out.json"
     spec = dict(spec, name=name)
     env = dict(engine_env(), **spec.pop("env", {}))
     spec_path.write_text(json.dumps(spec))
     with (workdir / f"{name}.log").open("wb") as log:
-        return subprocess.Popen([sys.executable, str(TESTS / "vllm_engine_run.py"), str(spec_path), str(out_path)],
+        return subprocess.Popen([sys.executable, str(ENGINE_RUN), str(spec_path), str(out_path)],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -26,7 +26,7 @@ if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 # every test file with a CUDA-marked test (they skip themselves where a stack is missing)
-mapfile -t files < <(grep -l -E 'pytest\.mark\.gpu|mark\.gpu' tests/test_*.py)
+mapfile -t files < <(grep -rl --include='test_*.py' -E 'pytest\.mark\.gpu|mark\.gpu' tests | sort)
 MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
     timeout 900 "$python" -m pytest -p no:cacheprovider -q -m gpu "${files[@]}" >"$out/pytest.log" 2>&1
 tests_rc=$?

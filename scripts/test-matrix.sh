@@ -16,14 +16,14 @@ cd "$(dirname "$0")/.."
 DEV_BIN=${1:-.venv/bin}
 VERSIONS=${MMKEY_MATRIX_VERSIONS:-3.10 3.13}
 TORCH_FREE_TESTS=(
-    tests/test_keys.py
-    tests/test_key_properties.py
-    tests/test_digest.py
-    tests/test_golden.py
-    tests/test_mooncake_config.py
-    tests/test_deadline_runner.py
-    tests/test_import_cost.py
-    tests/test_without_torch.py
+    tests/core/test_keys.py
+    tests/core/test_key_properties.py
+    tests/core/test_digest.py
+    tests/core/test_golden.py
+    tests/cache/mooncake/test_mooncake_config.py
+    tests/core/test_deadline_runner.py
+    tests/core/test_import_cost.py
+    tests/core/test_without_torch.py
 )
 export PYRIGHT_PYTHON_IGNORE_WARNINGS=1
 

@@ -1,4 +1,7 @@
-"""Shared test configuration: hypothesis profiles, markers, and a prompt exit."""
+"""The suite's configuration: hypothesis profiles, markers, and a prompt exit.
+
+Each folder mirrors a package of mmkey; its own conftest marks its modules (`slow` ones that
+start processes, `serial` ones that must run alone). Here: what every folder shares."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import sys
 import pytest
 from hypothesis import settings
 
-from _hypothesis_profiles import profile_for, register_profiles
+from tests._hypothesis_profiles import profile_for, register_profiles
 
 register_profiles()
 settings.load_profile(profile_for(os.environ))
@@ -38,46 +41,17 @@ def _forget_the_entry_secret_taken_from_the_environment() -> object:
     auth._forget_taken_secret()
 
 
-# Tests that start a Mooncake master or holders themselves (through a fixture); they are left
-# out of `make check`, the quick loop, with the tests marked `mooncake` by hand.
+# Tests that start a Mooncake master or holders themselves (through a fixture), in any folder;
+# they are left out of `make check`, the quick loop, with the tests marked `mooncake` by hand.
 _STORE_FIXTURES = frozenset(
     {"mooncake_master", "mooncake_master_session", "mooncake_fleet", "mooncake_fleet_netns"}
 )
-
-
-# Modules whose tests each start Python processes (the command line, the demo, the type
-# checkers, servers, fresh interpreters): `slow`, so left out of `make check` too.
-_PROCESS_MODULES = frozenset(
-    {
-        "test_cli.py",
-        "test_cli_holder.py",
-        "test_demo.py",
-        "test_example_server.py",
-        "test_process_independence.py",
-        "test_quickstart.py",
-        "test_typing_harness.py",
-        "test_without_torch.py",
-        "test_import_cost.py",
-    }
-)
-
-
-# Modules that load the whole host on purpose (`mmkey.testing.busy_host`, staging up to 1 GiB),
-# and the fleet tests, whose holders must keep their heartbeats to the master while one of
-# them is paused (on a crowded 2-core host a healthy holder's segment was dropped too):
-# `serial`, so `make test` runs them alone after the parallel pass, where their load cannot
-# slow other tests and other tests cannot add to it.
-_SERIAL_MODULES = frozenset({"test_mooncake_load.py", "test_mooncake_fleet.py"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _STORE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.mooncake)
-        if item.path.name in _PROCESS_MODULES:
-            item.add_marker(pytest.mark.slow)
-        if item.path.name in _SERIAL_MODULES:
-            item.add_marker(pytest.mark.serial)
 
 
 # Mooncake's client threads keep reconnecting to the masters the tests stopped, and the

@@ -1,7 +1,7 @@
 # Stubs for the pybind11 module `mooncake.store` (mooncake-transfer-engine 0.3.13).
 #
 # Only what a cache uses, with return types measured against a real mooncake_master
-# (tests/test_mooncake_contract.py re-checks them). Methods left out are listed, with reasons,
+# (tests/cache/mooncake/test_mooncake_contract.py re-checks them). Methods left out are listed, with reasons,
 # in stubs/stubtest_allowlist.txt. Parameters the binding names `arg0` are positional-only.
 #
 # Traps the types cannot show (see the contract test and /work/shared/MOONCAKE.md):
@@ -13,7 +13,7 @@
 # - The multi-buffer calls trust every (pointer, size) pair: a size past the end of the memory
 #   behind its pointer is read or written anyway (a too-long size list corrupted the heap).
 # - A read stuck on a hung holder writes into its buffers whenever the holder answers, also after
-#   the caller stopped waiting (tests/test_mooncake_fleet.py): never reuse a buffer a pending
+#   the caller stopped waiting (tests/cache/mooncake/test_mooncake_fleet.py): never reuse a buffer a pending
 #   read targets.
 
 from collections.abc import Sequence

@@ -4,7 +4,7 @@ fast, deterministic logic tests; real-master tests stay the reference.
 `FakeMooncakeMaster` holds the objects; `FakeMooncakeStore` is a drop-in for the binding's
 ``MooncakeDistributedStore`` (``stubs/mooncake/store.pyi``): set up against a fake master's
 address, it answers every call of the stub with the return codes the real binding returns
-(``tests/test_mooncake_contract.py`` runs the same assertions against both). The fake master
+(``tests/cache/mooncake/test_mooncake_contract.py`` runs the same assertions against both). The fake master
 also answers the liveness request that `MooncakeCache` sends to a master's RPC port, on a
 loopback listener, so a cache runs on it unchanged::
 

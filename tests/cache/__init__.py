@@ -1,0 +1,1 @@
+"""The cache protocol's implementations that need no store: memory, tiered, asyncio, guards."""

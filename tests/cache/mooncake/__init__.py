@@ -1,0 +1,1 @@
+"""`MooncakeCache` and its parts, mostly against a real local `mooncake_master`."""

@@ -1,0 +1,21 @@
+"""Markers of the Mooncake client's tests: the ones that must run alone are `serial`.
+
+`test_mooncake_load.py` loads the whole host on purpose (`mmkey.testing.busy_host`, staging up
+to 1 GiB), and the fleet tests' holders must keep their heartbeats to the master while one of
+them is paused (on a crowded 2-core host a healthy holder's segment was dropped too). `make
+test` runs them alone after the parallel pass, where their load cannot slow other tests and
+other tests cannot add to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests._marks import mark_modules
+
+_SERIAL_MODULES = frozenset({"test_mooncake_load.py", "test_mooncake_fleet.py"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_modules(items, Path(__file__).parent, pytest.mark.serial, _SERIAL_MODULES)

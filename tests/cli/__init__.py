@@ -1,0 +1,1 @@
+"""The `mmkey` command and its demo."""

@@ -1,0 +1,1 @@
+"""Keys, digests, hashing and the small shared modules at the top of `mmkey`."""

@@ -1,0 +1,1 @@
+"""`mmkey.encoder`: encoding with a cache, sync and asyncio."""

@@ -1,0 +1,1 @@
+"""The entry format: its codec and authentication."""

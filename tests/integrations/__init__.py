@@ -1,0 +1,1 @@
+"""What the vLLM and SGLang integrations share, and their packages' shape."""

@@ -1,0 +1,1 @@
+"""The SGLang embedding store and plugin, against SGLang's wheel."""

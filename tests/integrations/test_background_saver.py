@@ -1,0 +1,167 @@
+"""`BackgroundSaver`: saves off the caller's thread, within a byte budget, failures counted.
+
+The real caches are used where they can show the behaviour; a gated wrapper around a
+`MemoryCache` holds a write open (the hung store itself is tested with a paused master in
+tests/integrations/vllm/test_vllm_connector.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from mmkey import CacheKey, EmbeddingKey, HashScheme, MemoryCache, Modality, identifier_digest
+from mmkey.integrations._background_saver import BackgroundSaver, SaverCounts
+
+
+def key(name: str) -> EmbeddingKey:
+    return EmbeddingKey("ns", Modality.IMAGE, HashScheme.ID, identifier_digest(name))
+
+
+class GatedCache(MemoryCache):
+    """A MemoryCache whose writes wait for `gate` (or raise when `fail` is set); `entered` is
+    set once a write is waiting there."""
+
+    def __init__(self) -> None:
+        super().__init__(64 << 20)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.fail = False
+        self.batches: list[int] = []
+
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
+        self.entered.set()
+        self.gate.wait(10)
+        self.batches.append(len(keys))
+        if self.fail:
+            raise RuntimeError("store fault")
+        return super().insert_batch(keys, embeddings)
+
+
+def test_saves_land_in_the_cache() -> None:
+    cache = MemoryCache(16 << 20)
+    saver = BackgroundSaver(cache, 1 << 20)
+    tensors = {f"i{n}": torch.randn(8, 16) for n in range(5)}
+    for name, t in tensors.items():
+        assert saver.submit(key(name), t)
+    assert saver.flush(10)
+    got = cache.get_embeddings([key(n) for n in tensors])
+    assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors.values(), strict=True))
+    assert saver.counts() == SaverCounts(saved=5, failed=0, dropped=0, pending_bytes=0)
+    assert saver.close(5)
+
+
+def test_a_slow_store_never_blocks_submit_and_the_budget_drops_the_excess() -> None:
+    cache = GatedCache()
+    saver = BackgroundSaver(cache, 3 * 512)
+    t = torch.zeros(8, 16, dtype=torch.float32)  # 512 bytes
+    start = time.monotonic()
+    results = [saver.submit(key(f"k{n}"), t) for n in range(6)]
+    assert time.monotonic() - start < 1.0  # the write is held open the whole time
+    assert results == [True, True, True, False, False, False]
+    assert saver.counts().pending_bytes == 3 * 512 and saver.counts().dropped == 3
+    assert not saver.flush(0.2)
+    cache.gate.set()
+    assert saver.flush(10)
+    assert saver.counts().saved == 3 and saver.counts().pending_bytes == 0
+    assert saver.submit(key("k9"), t) and saver.flush(10)  # budget freed
+    saver.close(5)
+
+
+def test_a_key_already_queued_is_queued_once_and_writes_are_batched() -> None:
+    cache = GatedCache()
+    saver = BackgroundSaver(cache, 1 << 20)
+    t = torch.ones(4, 4)
+    assert saver.submit(key("first"), t)
+    assert cache.entered.wait(10)  # the saver thread took "first" and waits at the gate
+    for name in ("a", "b", "a", "c"):
+        assert saver.submit(key(name), t)
+    cache.gate.set()
+    assert saver.flush(10)
+    assert cache.batches == [1, 3]
+    saver.close(5)
+
+
+def test_writes_are_split_to_fit_the_batch_budget() -> None:
+    cache = GatedCache()
+    saver = BackgroundSaver(cache, 1 << 20, max_batch_bytes=1024)
+    t = torch.zeros(8, 16)  # 512 bytes
+    saver.submit(key("first"), t)
+    assert cache.entered.wait(10)
+    big = torch.zeros(8, 64)  # 2 KiB: more than a batch alone
+    for name, tensor in [("a", t), ("b", t), ("c", t), ("big", big), ("d", t)]:
+        saver.submit(key(name), tensor)
+    cache.gate.set()
+    assert saver.flush(10)
+    assert cache.batches == [1, 2, 1, 1, 1]
+    assert saver.counts().saved == 6
+    saver.close(5)
+
+
+def test_a_failing_store_counts_failures_and_the_saver_keeps_going() -> None:
+    cache = GatedCache()
+    cache.gate.set()
+    cache.fail = True
+    messages: list[str] = []
+    saver = BackgroundSaver(cache, 1 << 20, on_failure=messages.append)
+    saver.submit(key("x"), torch.ones(2))
+    assert saver.flush(10)
+    assert saver.counts().failed == 1 and "RuntimeError: store fault" in messages[0]
+    cache.fail = False
+    saver.submit(key("y"), torch.ones(2))
+    assert saver.flush(10) and saver.counts().saved == 1
+    saver.close(5)
+
+
+def test_tensors_are_released_once_written() -> None:
+    saver = BackgroundSaver(MemoryCache(1 << 20), 1 << 20)
+    t = torch.randn(16, 16)
+    ref = weakref.ref(t)
+    saver.submit(key("t"), t)
+    assert saver.flush(10)
+    del t
+    gc.collect()
+    assert ref() is None
+    saver.close(5)
+
+
+def test_close_drops_what_it_cannot_finish_and_refuses_more() -> None:
+    cache = GatedCache()
+    saver = BackgroundSaver(cache, 1 << 20)
+    saver.submit(key("stuck"), torch.ones(2))
+    assert cache.entered.wait(10)
+    saver.submit(key("queued"), torch.ones(2))
+    assert not saver.close(0.2)
+    assert not saver.submit(key("late"), torch.ones(2))
+    assert saver.counts().dropped == 2  # "queued" and "late"
+    cache.gate.set()
+
+
+@pytest.mark.parametrize(
+    ("budget", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError), (1.5, TypeError)]
+)
+def test_budget_is_checked(budget: object, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        BackgroundSaver(MemoryCache(1 << 20), budget)  # type: ignore[arg-type]
+
+
+def test_a_view_counts_the_storage_it_pins_and_stored_keys_are_skipped() -> None:
+    cache = GatedCache()  # writes wait until the gate opens
+    saver = BackgroundSaver(cache, 4096)
+    whole = torch.zeros(64, 16)  # 4 KiB of storage
+    assert saver.submit(key("view"), whole[:1])  # 64 B of data that pins all 4 KiB
+    assert not saver.submit(key("other"), torch.zeros(1, 16))  # so the budget is full
+    cache.gate.set()
+    assert saver.flush(10)
+    assert saver.submit(key("view"), whole[:1].clone())  # already stored: not written again
+    assert saver.flush(10)
+    counts = saver.counts()
+    assert (counts.saved, counts.skipped, counts.dropped) == (1, 1, 1)
+    assert cache.batches == [1]  # the second save made no write call
+    assert saver.close(5)

