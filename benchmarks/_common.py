@@ -32,9 +32,16 @@ def segment_holder(master_address: str, size: str) -> Iterator[None]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     proc = subprocess.Popen(
-        [binary, "--host=127.0.0.1", f"--global_segment_size={size}", "--metadata_server=P2PHANDSHAKE",
-         f"--master_server_address={master_address}", f"--port={port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            binary,
+            "--host=127.0.0.1",
+            f"--global_segment_size={size}",
+            "--metadata_server=P2PHANDSHAKE",
+            f"--master_server_address={master_address}",
+            f"--port={port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         time.sleep(2.0)  # it mounts its segment with the master; the first put checks it

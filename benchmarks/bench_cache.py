@@ -86,10 +86,13 @@ def plain_decode(raw: bytes, shape: torch.Size) -> torch.Tensor:
 
 
 def codec_table(repeats: int) -> None:
-    print(f"\ncodec (bf16 [n, 1024]; GB/s of payload; ratio = codec / plain; "
-          f"decode target >= {DECODE_TARGET})")
-    print(f"{'entry':>8} | {'tobytes':>8} {'encode':>8} {'ratio':>6} | "
-          f"{'frombuf+clone':>13} {'decode':>8} {'ratio':>6} {'target':>6}")
+    print(
+        f"\ncodec (bf16 [n, 1024]; GB/s of payload; ratio = codec / plain; decode target >= {DECODE_TARGET})"
+    )
+    print(
+        f"{'entry':>8} | {'tobytes':>8} {'encode':>8} {'ratio':>6} | "
+        f"{'frombuf+clone':>13} {'decode':>8} {'ratio':>6} {'target':>6}"
+    )
     text = key(1).to_key()
     for size in ENTRY_SIZES:
         t = torch.randn(size // 2048, 1024).to(torch.bfloat16)
@@ -104,16 +107,22 @@ def codec_table(repeats: int) -> None:
         )
         gbs = {name: size / s / 1e9 for name, s in times.items()}
         enc, dec = times["tobytes"] / times["encode"], times["plain"] / times["decode"]
-        print(f"{size >> 10:>4} KiB | {gbs['tobytes']:8.2f} {gbs['encode']:8.2f} {enc:6.2f} | "
-              f"{gbs['plain']:13.2f} {gbs['decode']:8.2f} {dec:6.2f} "
-              f"{'met' if dec >= DECODE_TARGET else 'missed':>6}")
+        print(
+            f"{size >> 10:>4} KiB | {gbs['tobytes']:8.2f} {gbs['encode']:8.2f} {enc:6.2f} | "
+            f"{gbs['plain']:13.2f} {gbs['decode']:8.2f} {dec:6.2f} "
+            f"{'met' if dec >= DECODE_TARGET else 'missed':>6}"
+        )
 
 
 def auth_table(repeats: int) -> None:
-    print(f"\nauthenticated codec (bf16 [n, 1024]; GB/s of payload; cost = signed time / "
-          f"unsigned time; read target <= {AUTH_READ_TARGET})")
-    print(f"{'entry':>8} | {'encode':>8} {'signed':>8} {'cost':>6} | "
-          f"{'decode':>8} {'verified':>8} {'cost':>6} {'target':>6}")
+    print(
+        f"\nauthenticated codec (bf16 [n, 1024]; GB/s of payload; cost = signed time / "
+        f"unsigned time; read target <= {AUTH_READ_TARGET})"
+    )
+    print(
+        f"{'entry':>8} | {'encode':>8} {'signed':>8} {'cost':>6} | "
+        f"{'decode':>8} {'verified':>8} {'cost':>6} {'target':>6}"
+    )
     text = key(1).to_key()
     for size in ENTRY_SIZES:
         t = torch.randn(size // 2048, 1024).to(torch.bfloat16)
@@ -130,9 +139,11 @@ def auth_table(repeats: int) -> None:
         )
         gbs = {name: size / s / 1e9 for name, s in times.items()}
         enc, dec = times["signed"] / times["encode"], times["verified"] / times["decode"]
-        print(f"{size >> 10:>4} KiB | {gbs['encode']:8.2f} {gbs['signed']:8.2f} {enc:6.2f} | "
-              f"{gbs['decode']:8.2f} {gbs['verified']:8.2f} {dec:6.2f} "
-              f"{'met' if dec <= AUTH_READ_TARGET else 'missed':>6}")
+        print(
+            f"{size >> 10:>4} KiB | {gbs['encode']:8.2f} {gbs['signed']:8.2f} {enc:6.2f} | "
+            f"{gbs['decode']:8.2f} {gbs['verified']:8.2f} {dec:6.2f} "
+            f"{'met' if dec <= AUTH_READ_TARGET else 'missed':>6}"
+        )
 
 
 def verify_in_place_then_clone(text: str, entry: bytearray, keyring: EntryKeyring | None) -> object:
@@ -148,10 +159,14 @@ def verify_in_place_then_copy_into(
 
 
 def private_table(repeats: int) -> None:
-    print("\nprivate verification (bf16 [n, 1024]; GB/s of payload; cost = time of today's "
-          "chunked copy-then-hash into private memory / time of hashing in place, then copying)")
-    print(f"{'entry':>8} {'auth':>5} | {'in place':>8} {'private':>8} {'cost':>6} | "
-          f"{'into, in place':>14} {'into':>8} {'cost':>6}")
+    print(
+        "\nprivate verification (bf16 [n, 1024]; GB/s of payload; cost = time of today's "
+        "chunked copy-then-hash into private memory / time of hashing in place, then copying)"
+    )
+    print(
+        f"{'entry':>8} {'auth':>5} | {'in place':>8} {'private':>8} {'cost':>6} | "
+        f"{'into, in place':>14} {'into':>8} {'cost':>6}"
+    )
     text = key(1).to_key()
     for size in ENTRY_SIZES:
         t = torch.randn(size // 2048, 1024).to(torch.bfloat16)
@@ -162,9 +177,7 @@ def private_table(repeats: int) -> None:
                 {
                     "in place": partial(verify_in_place_then_clone, text, entry, ring),
                     "private": partial(decode_entry, text, entry, keyring=ring),
-                    "into in place": partial(
-                        verify_in_place_then_copy_into, text, entry, target, ring
-                    ),
+                    "into in place": partial(verify_in_place_then_copy_into, text, entry, target, ring),
                     "into": partial(decode_entry_into, text, entry, target, keyring=ring),
                 },
                 repeats,
@@ -172,16 +185,19 @@ def private_table(repeats: int) -> None:
             gbs = {name: size / s / 1e9 for name, s in times.items()}
             cost = times["private"] / times["in place"]
             cost_into = times["into"] / times["into in place"]
-            print(f"{size >> 10:>4} KiB {'MAC' if ring else '-':>5} | {gbs['in place']:8.2f} "
-                  f"{gbs['private']:8.2f} {cost:6.2f} | {gbs['into in place']:14.2f} "
-                  f"{gbs['into']:8.2f} {cost_into:6.2f}")
+            print(
+                f"{size >> 10:>4} KiB {'MAC' if ring else '-':>5} | {gbs['in place']:8.2f} "
+                f"{gbs['private']:8.2f} {cost:6.2f} | {gbs['into in place']:14.2f} "
+                f"{gbs['into']:8.2f} {cost_into:6.2f}"
+            )
 
 
 def memory_table(repeats: int) -> None:
-    print(f"\nMemoryCache (bf16 {list(EMBEDDING)} embeddings, 16 KiB each; thousands of keys/s; "
-          "signed: with a fleet secret)")
-    print(f"{'batch':>6} {'secret':>6} | {'insert_batch':>12} {'batch_is_exist':>14} "
-          f"{'get_embeddings':>14}")
+    print(
+        f"\nMemoryCache (bf16 {list(EMBEDDING)} embeddings, 16 KiB each; thousands of keys/s; "
+        "signed: with a fleet secret)"
+    )
+    print(f"{'batch':>6} {'secret':>6} | {'insert_batch':>12} {'batch_is_exist':>14} {'get_embeddings':>14}")
     for batch in BATCHES:
         keys = [key(i) for i in range(batch)]
         tensors = [torch.randn(*EMBEDDING).to(torch.bfloat16) for _ in keys]
@@ -197,14 +213,18 @@ def memory_table(repeats: int) -> None:
                 repeats,
             )
             rate = {name: batch / s / 1e3 for name, s in times.items()}
-            print(f"{batch:>6} {'signed' if keyring else 'none':>6} | {rate['insert']:12.1f} "
-                  f"{rate['exist']:14.1f} {rate['get']:14.1f}")
+            print(
+                f"{batch:>6} {'signed' if keyring else 'none':>6} | {rate['insert']:12.1f} "
+                f"{rate['exist']:14.1f} {rate['get']:14.1f}"
+            )
             cache.close()
 
 
 def async_insert_table(repeats: int) -> None:
-    print("\nAsyncCache.insert_batch over MemoryCache (bf16; ms per call; ratio = AsyncCache / "
-          "the bare insert in the same executor)")
+    print(
+        "\nAsyncCache.insert_batch over MemoryCache (bf16; ms per call; ratio = AsyncCache / "
+        "the bare insert in the same executor)"
+    )
     print(f"{'batch':>14} | {'bare':>8} {'AsyncCache':>10} {'ratio':>6}")
     loop = asyncio.new_event_loop()
     try:
@@ -232,8 +252,10 @@ def async_insert_row(loop: asyncio.AbstractEventLoop, batch: int, size: int, rep
         repeats,
     )
     label = f"{batch} x {size >> 10} KiB"
-    print(f"{label:>14} | {times['bare'] * 1e3:8.3f} {times['async'] * 1e3:10.3f} "
-          f"{times['async'] / times['bare']:6.2f}")
+    print(
+        f"{label:>14} | {times['bare'] * 1e3:8.3f} {times['async'] * 1e3:10.3f} "
+        f"{times['async'] / times['bare']:6.2f}"
+    )
     cache.close()
 
 
@@ -242,8 +264,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds per path")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs, {platform.machine()}; best of {args.repeats} rounds")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} CPUs, {platform.machine()}; best of {args.repeats} rounds"
+    )
     codec_table(args.repeats)
     auth_table(args.repeats)
     private_table(args.repeats)

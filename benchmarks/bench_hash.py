@@ -29,8 +29,10 @@ def main() -> None:
             f"{row.vs_sglang_cpu:9.2f} {row.vs_read_bandwidth:7.2f}"
         )
     to_key, from_key = key_roundtrip_ns()
-    print(f"key to_key(): {to_key:.0f} ns/key, from_key(): {from_key:.0f} ns/key, "
-          f"round trip {to_key + from_key:.0f} ns/key")
+    print(
+        f"key to_key(): {to_key:.0f} ns/key, from_key(): {from_key:.0f} ns/key, "
+        f"round trip {to_key + from_key:.0f} ns/key"
+    )
 
 
 if __name__ == "__main__":

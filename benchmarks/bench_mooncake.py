@@ -384,8 +384,9 @@ def load_table() -> None:
                 theirs: list[float] = []
                 stored_total = 0
                 for n in range(24):
-                    keys = EmbeddingKey.for_digests(f"rounds{n}", Modality.IMAGE, HashScheme.BLAKE3,
-                                                    [mm_hash(i) for i in range(256)])
+                    keys = EmbeddingKey.for_digests(
+                        f"rounds{n}", Modality.IMAGE, HashScheme.BLAKE3, [mm_hash(i) for i in range(256)]
+                    )
                     start = time.perf_counter()
                     stored_total += sum(cache.insert_batch(keys, tensors))
                     ours.append(time.perf_counter() - start)
@@ -410,13 +411,18 @@ def load_table() -> None:
                     f"{stored_total:>5}/{24 * 256} {over * 1e3:9.1f} ms"
                 )
                 # a deadline most inserts miss (4 MiB staging: five transfers), retried at once
-                short = MooncakeConfig(master_server_address=master.address, local_buffer_size=4 * MiB,
-                                       timeout=0.02, retry_after=0.001)
+                short = MooncakeConfig(
+                    master_server_address=master.address,
+                    local_buffer_size=4 * MiB,
+                    timeout=0.02,
+                    retry_after=0.001,
+                )
                 with MooncakeCache(short, keyring=None) as tight:
                     late = []
                     for n in range(24):
-                        keys = EmbeddingKey.for_digests(f"tight{n}", Modality.IMAGE, HashScheme.BLAKE3,
-                                                        [mm_hash(i) for i in range(256)])
+                        keys = EmbeddingKey.for_digests(
+                            f"tight{n}", Modality.IMAGE, HashScheme.BLAKE3, [mm_hash(i) for i in range(256)]
+                        )
                         start = time.perf_counter()
                         if not all(tight.insert_batch(keys, tensors)):
                             late.append(time.perf_counter() - start - short.timeout)

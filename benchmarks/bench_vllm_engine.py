@@ -46,16 +46,18 @@ ROOT = HERE.parent
 ENGINE_RUN = ROOT / "tests" / "integrations" / "vllm" / "vllm_engine_run.py"
 sys.path.insert(0, str(ROOT))
 
-from tests.integrations.vllm.vllm_engine_model import build_tiny_llava  # noqa: E402
-
 from mmkey.testing.fleet import running_fleet  # noqa: E402
+from tests.integrations.vllm.vllm_engine_model import build_tiny_llava  # noqa: E402
 
 IMAGE = 224
 DISTINCT, REPEATS, SINGLES = 16, 3, 8
 
 
 def workload() -> list[list[dict[str, Any]]]:
-    batch = [{"text": "USER: <image> describe the picture", "images": [i % DISTINCT]} for i in range(DISTINCT * REPEATS)]
+    batch = [
+        {"text": "USER: <image> describe the picture", "images": [i % DISTINCT]}
+        for i in range(DISTINCT * REPEATS)
+    ]
     singles = [[{"text": "USER: <image> what is in this image", "images": [100 + i]}] for i in range(SINGLES)]
     return [batch, *singles]
 
@@ -80,8 +82,12 @@ def launch(workdir: Path, name: str, spec: dict[str, Any]) -> subprocess.Popen[b
     env = dict(engine_env(), **spec.pop("env", {}))
     spec_path.write_text(json.dumps(spec))
     with (workdir / f"{name}.log").open("wb") as log:
-        return subprocess.Popen([sys.executable, str(ENGINE_RUN), str(spec_path), str(out_path)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, str(ENGINE_RUN), str(spec_path), str(out_path)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def collect(workdir: Path, name: str, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
@@ -105,12 +111,16 @@ def run(workdir: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return collect(workdir, name, launch(workdir, name, spec))
 
 
-def run_pair(workdir: Path, names: tuple[str, str], specs: tuple[dict[str, Any], dict[str, Any]],
-             rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_pair(
+    workdir: Path, names: tuple[str, str], specs: tuple[dict[str, Any], dict[str, Any]], rounds: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Two engines started together, each round released to both at once (a file barrier)."""
     barrier = workdir / ("barrier-" + "-".join(names))
     barrier.mkdir()
-    procs = [launch(workdir, name, dict(spec, barrier_dir=str(barrier))) for name, spec in zip(names, specs)]
+    procs = [
+        launch(workdir, name, dict(spec, barrier_dir=str(barrier)))
+        for name, spec in zip(names, specs, strict=True)
+    ]
     try:
         for k in range(rounds + 1):  # and once more: neither stops while the other still needs it
             stop = time.monotonic() + 600
@@ -120,7 +130,7 @@ def run_pair(workdir: Path, names: tuple[str, str], specs: tuple[dict[str, Any],
                 time.sleep(0.001)
             (barrier / f"go-{k}").write_text("go")
     finally:
-        results = tuple(collect(workdir, name, proc) for name, proc in zip(names, procs))
+        results = tuple(collect(workdir, name, proc) for name, proc in zip(names, procs, strict=True))
     return results[0], results[1]
 
 
@@ -131,7 +141,9 @@ def free_port() -> int:
         return port
 
 
-def vllm_push_specs(base: dict[str, Any], rounds: list[list[dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+def vllm_push_specs(
+    base: dict[str, Any], rounds: list[list[dict[str, Any]]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The producer's and the consumer's specs for vLLM's `ECMooncakeConnector` in push mode.
 
     What vLLM's disaggregation proxy adds to a request: one transfer id per image, to both
@@ -150,13 +162,18 @@ def vllm_push_specs(base: dict[str, Any], rounds: list[list[dict[str, Any]]]) ->
     # while pushes are in flight (`Scheduler.has_requests`), which an in-process `LLM` does not
     own_core = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     consumer_zmq = f"tcp://127.0.0.1:{consumer_port}"
-    ids = [[[f"r{k}-p{i}-m{j}" for j in range(len(p["images"]))] for i, p in enumerate(rnd)] for k, rnd in enumerate(rounds)]
+    ids = [
+        [[f"r{k}-p{i}-m{j}" for j in range(len(p["images"]))] for i, p in enumerate(rnd)]
+        for k, rnd in enumerate(rounds)
+    ]
     consumer_params = [[{"ec_items": [{"transfer_id": t} for t in req]} for req in rnd] for rnd in ids]
     producer_params = [[dict(p, consumer_zmq=consumer_zmq) for p in rnd] for rnd in consumer_params]
     # the consumer's requests all wait on pushes at first: a text-only request keeps its steps
     # busy, or vLLM's V1 model runner never runs the connector that loads them (see the note)
-    return (dict(base, ec=producer_ec, round_params=producer_params, env=own_core),
-            dict(base, ec=consumer_ec, round_params=consumer_params, env=own_core, keepalive=True))
+    return (
+        dict(base, ec=producer_ec, round_params=producer_params, env=own_core),
+        dict(base, ec=consumer_ec, round_params=consumer_params, env=own_core, keepalive=True),
+    )
 
 
 def source_line(module: str, needle: str) -> str:
@@ -217,10 +234,16 @@ def measure(workdir: Path) -> None:
         warm = run(workdir, "warm", dict(base, ec=ec))  # another engine stores every image
         results["mmkey"] = run(workdir, "mmkey", dict(base, ec=ec))
     producer, results["vLLM push (E->PD)"] = run_pair(
-        workdir, ("vllm-producer", "vllm-consumer"), vllm_push_specs(base, rounds), len(rounds))
-    print(f"{DISTINCT * REPEATS} requests over {DISTINCT} images ({IMAGE} px, 256 image tokens each), "
-          f"then {SINGLES} single requests; tower: CLIP hidden 256 x 6 layers; 2 shared cores\n")
-    print("| connector | requests/s | time to first token (median of 8) | images the tower encoded | requests failed |")
+        workdir, ("vllm-producer", "vllm-consumer"), vllm_push_specs(base, rounds), len(rounds)
+    )
+    print(
+        f"{DISTINCT * REPEATS} requests over {DISTINCT} images ({IMAGE} px, 256 image tokens each), "
+        f"then {SINGLES} single requests; tower: CLIP hidden 256 x 6 layers; 2 shared cores\n"
+    )
+    print(
+        "| connector | requests/s | time to first token (median of 8) "
+        "| images the tower encoded | requests failed |"
+    )
     print("|---|---|---|---|---|")
     reference = [[r["tokens"] for r in rnd] for rnd in results["none"]["rounds"]]
     for name, result in results.items():
@@ -228,7 +251,11 @@ def measure(workdir: Path) -> None:
         got = [[r["tokens"] for r in rnd] for rnd in result["rounds"]]
         # a failed request has no tokens; every served one equals the reference token for token
         failed = sum(t == [] for rnd in got for t in rnd)
-        assert all(t in ([], want) for rnd, ref in zip(got, reference) for t, want in zip(rnd, ref)), name
+        assert all(
+            t in ([], want)
+            for rnd, ref in zip(got, reference, strict=True)
+            for t, want in zip(rnd, ref, strict=True)
+        ), name
         assert name.startswith("vLLM") or failed == 0, name
         rate = DISTINCT * REPEATS / seconds[0]
         ttft = statistics.median(seconds[1:]) * 1e3
@@ -236,9 +263,12 @@ def measure(workdir: Path) -> None:
         if name.startswith("vLLM"):
             encoded = f"{encoded} (its producer: {producer['tower_images']})"
         print(f"| {name} | {rate:.1f} | {ttft:.1f} ms | {encoded} | {failed} |")
-    print(f"\n(the storing engine encoded {warm['tower_images']} images; every served request's tokens equal the run without a connector; "
-          "a failed request got no tokens after waiting `push_wait_timeout_s` (10 s) for its push; "
-          "vLLM push: two engines on the same 2 cores, timed on the consumer from the moment both get the requests)")
+    print(
+        f"\n(the storing engine encoded {warm['tower_images']} images; every served request's "
+        "tokens equal the run without a connector; a failed request got no tokens after waiting "
+        "`push_wait_timeout_s` (10 s) for its push; vLLM push: two engines on the same 2 cores, "
+        "timed on the consumer from the moment both get the requests)"
+    )
     print(f"vLLM's connector: {vllm_modes_note()}")
 
 

@@ -165,8 +165,9 @@ def main() -> None:
         assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 512 * MiB, 64 * MiB, "tcp", "", master.address) == 0
         try:
             for round_, size in enumerate(SIZES):
-                config = MooncakeConfig(master_server_address=master.address, local_buffer_size=size,
-                                        timeout=args.timeout)
+                config = MooncakeConfig(
+                    master_server_address=master.address, local_buffer_size=size, timeout=args.timeout
+                )
                 start = time.perf_counter()
                 with phases() as got:
                     cache = MooncakeCache(config, keyring=None)
@@ -175,7 +176,9 @@ def main() -> None:
                     print(f"staging {size // MiB} MiB", flush=True)
                     for attempt in ("first", "second", *args.more * ("more",)):
                         keys = EmbeddingKey.for_digests(
-                            f"trace{round_}{attempt}{time.perf_counter()}", Modality.IMAGE, HashScheme.BLAKE3,
+                            f"trace{round_}{attempt}{time.perf_counter()}",
+                            Modality.IMAGE,
+                            HashScheme.BLAKE3,
                             [mm_hash(i) for i in range(256)],
                         )
                         start = time.perf_counter()

@@ -115,17 +115,26 @@ napoleon_numpy_docstring = False
 # with why it cannot resolve here.
 nitpick_ignore_regex = [
     # the standard library and builtins: Python's inventory is not available offline
-    (r"py:.*", r"(builtins\.)?(int|str|bytes|bytearray|memoryview|bool|float|object|type|None|True|False"
-     r"|list|dict|tuple|set|frozenset|slice|BaseException|Exception|ValueError|TypeError"
-     r"|KeyError|RuntimeError|OSError|TimeoutError|LookupError|NotImplemented|Ellipsis)"),
-    (r"py:.*", r"(typing|typing_extensions|collections|collections\.abc|abc|enum|os|pathlib"
-     r"|subprocess|threading|concurrent\.futures|asyncio|datetime|logging|contextlib|types"
-     r"|socket|signal|io|random|dataclasses|weakref)\..*"),
-    (r"py:.*", r"(Sequence|Mapping|MutableMapping|Iterable|Iterator|Callable|Awaitable"
-     r"|Coroutine|AsyncIterator|Generator|Collection|Hashable|Any|Self|Literal|Final"
-     r"|ClassVar|Protocol|TypeVar|ParamSpec|NewType|Path|Enum|IntEnum|StrEnum|Popen"
-     r"|Thread|Event|Lock|Future|Executor|ThreadPoolExecutor|AbstractEventLoop|datetime"
-     r"|timedelta|Logger|TracebackType|T|T_co|P|R|K|V)"),
+    (
+        r"py:.*",
+        r"(builtins\.)?(int|str|bytes|bytearray|memoryview|bool|float|object|type|None|True|False"
+        r"|list|dict|tuple|set|frozenset|slice|BaseException|Exception|ValueError|TypeError"
+        r"|KeyError|RuntimeError|OSError|TimeoutError|LookupError|NotImplemented|Ellipsis)",
+    ),
+    (
+        r"py:.*",
+        r"(typing|typing_extensions|collections|collections\.abc|abc|enum|os|pathlib"
+        r"|subprocess|threading|concurrent\.futures|asyncio|datetime|logging|contextlib|types"
+        r"|socket|signal|io|random|dataclasses|weakref)\..*",
+    ),
+    (
+        r"py:.*",
+        r"(Sequence|Mapping|MutableMapping|Iterable|Iterator|Callable|Awaitable"
+        r"|Coroutine|AsyncIterator|Generator|Collection|Hashable|Any|Self|Literal|Final"
+        r"|ClassVar|Protocol|TypeVar|ParamSpec|NewType|Path|Enum|IntEnum|StrEnum|Popen"
+        r"|Thread|Event|Lock|Future|Executor|ThreadPoolExecutor|AbstractEventLoop|datetime"
+        r"|timedelta|Logger|TracebackType|T|T_co|P|R|K|V)",
+    ),
     # torch, numpy: their inventories are not available offline
     (r"py:.*", r"(torch|numpy|np)(\..*)?"),
     (r"py:.*", r"(Tensor|dtype|device|Stream|ndarray|DTypeLike)"),
@@ -133,8 +142,11 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(attrs|attr)\..*"),
     # pytest, hypothesis, prometheus_client, click: inventories not available offline
     (r"py:.*", r"(_?pytest|hypothesis|prometheus_client|click)(\..*)?"),
-    (r"py:.*", r"((st\.)?SearchStrategy|RuleBasedStateMachine|CollectorRegistry|Metric|MonkeyPatch"
-     r"|FixtureRequest|Config)"),
+    (
+        r"py:.*",
+        r"((st\.)?SearchStrategy|RuleBasedStateMachine|CollectorRegistry|Metric|MonkeyPatch"
+        r"|FixtureRequest|Config)",
+    ),
     # typing_extensions' Buffer (PEP 688) and blake3's hasher: no inventories offline
     (r"py:.*", r"(Buffer|blake3\.blake3|xxhash\..*)"),
     # mmkey's own private names where they show in a signature (``_Sealed``): not API, not
@@ -144,8 +156,11 @@ nitpick_ignore_regex = [
     (r"py:class", r"Device"),
     # vLLM and SGLang, whose classes the integrations implement: no inventories offline
     (r"py:.*", r"(vllm|sglang)\..*"),
-    (r"py:.*", r"(VllmConfig|SchedulerOutput|Request|ECConnectorStats|EmbeddingStore"
-     r"|ECConnectorMetadata|ECConnectorWorkerMetadata|ECConnectorBase|ECConnectorRole)"),
+    (
+        r"py:.*",
+        r"(VllmConfig|SchedulerOutput|Request|ECConnectorStats|EmbeddingStore"
+        r"|ECConnectorMetadata|ECConnectorWorkerMetadata|ECConnectorBase|ECConnectorRole)",
+    ),
     # the Mooncake binding (typed by stubs/, documented upstream only)
     (r"py:.*", r"(mooncake)(\..*)?"),
     (r"py:.*", r"(MooncakeDistributedStore|ReplicateConfig)(\..*)?"),

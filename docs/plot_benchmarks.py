@@ -178,8 +178,14 @@ def plot_table(table: Table, path: Path) -> None:
         note = "  ".join(f"{table.columns[i]} {cells[i]}" for i in ratios)
         if note:
             end = max(float(cells[i].rstrip("x")) for i in values)
-            axes.annotate(note, (end, row + (len(values) - 1) * height / 2), xytext=(4, 0),
-                          textcoords="offset points", fontsize=7, va="center")
+            axes.annotate(
+                note,
+                (end, row + (len(values) - 1) * height / 2),
+                xytext=(4, 0),
+                textcoords="offset points",
+                fontsize=7,
+                va="center",
+            )
     axes.margins(x=0.15)
     axes.set_yticks([row + (len(values) - 1) * height / 2 for row in range(len(labels))], labels, fontsize=8)
     axes.invert_yaxis()

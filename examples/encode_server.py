@@ -65,9 +65,7 @@ class VisionBatcher:
     `max_wait` seconds (or at `max_rows` patch rows) in a worker thread, off the loop.
     """
 
-    def __init__(
-        self, model: TinyVisionEncoder, *, max_wait: float = 0.002, max_rows: int = 1 << 16
-    ) -> None:
+    def __init__(self, model: TinyVisionEncoder, *, max_wait: float = 0.002, max_rows: int = 1 << 16) -> None:
         self.model = model
         self.max_wait = max_wait
         self.max_rows = max_rows
@@ -76,9 +74,7 @@ class VisionBatcher:
         self._rows = 0
         self._timer: asyncio.TimerHandle | None = None
 
-    async def encode(
-        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
-    ) -> list[torch.Tensor]:
+    async def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """The embeddings of these items, computed in one batch with other requests' misses."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[torch.Tensor]] = loop.create_future()
@@ -129,17 +125,13 @@ class EncodeResponse:
 class EncodeServer:
     """Encodes requests through the embedding cache; only misses reach the model."""
 
-    def __init__(
-        self, cache: AsyncEmbeddingCache, batcher: VisionBatcher, *, namespace: str
-    ) -> None:
+    def __init__(self, cache: AsyncEmbeddingCache, batcher: VisionBatcher, *, namespace: str) -> None:
         self.cache = cache
         self.batcher = batcher
         self.namespace = namespace
         self.total = EncodeReport()
 
-    async def encode(
-        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
-    ) -> EncodeResponse:
+    async def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> EncodeResponse:
         """Embed one request's images; the embeddings end up in the cache under the keys."""
         result = await aencode_with_cache_report(
             pixel_values,
@@ -152,9 +144,7 @@ class EncodeServer:
         tokens = [int(e.shape[0]) for e in result.embeddings]
         return EncodeResponse(result.keys, tokens, result.report)
 
-    async def serve_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Answer the requests of one connection, in order, until the client closes it."""
         try:
             while True:
@@ -198,9 +188,7 @@ async def read_message(reader: asyncio.StreamReader) -> tuple[dict[str, Any], by
     return header, payload
 
 
-def write_message(
-    writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes = b""
-) -> None:
+def write_message(writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes = b"") -> None:
     """Frame and queue one message."""
     text = json.dumps(dict(header, nbytes=len(payload))).encode()
     writer.write(_HEADER.pack(len(text)) + text + payload)
@@ -226,9 +214,7 @@ def decode_request(header: dict[str, Any], payload: bytes) -> tuple[torch.Tensor
         raise BadRequest(f"dtype must be one of {sorted(_DTYPES)}")
     shape = header.get("shape")
     if not (
-        isinstance(shape, list)
-        and len(shape) == 2
-        and all(isinstance(n, int) and n >= 0 for n in shape)
+        isinstance(shape, list) and len(shape) == 2 and all(isinstance(n, int) and n >= 0 for n in shape)
     ):
         raise BadRequest("shape must be [rows, features]")
     needed = shape[0] * shape[1] * dtype.itemsize
@@ -261,9 +247,7 @@ async def request_embeddings(
         await writer.wait_closed()
 
 
-async def fetch_embeddings(
-    cache: AsyncEmbeddingCache, key_texts: Sequence[str]
-) -> list[torch.Tensor | None]:
+async def fetch_embeddings(cache: AsyncEmbeddingCache, key_texts: Sequence[str]) -> list[torch.Tensor | None]:
     """The prefill side: parse the keys the encode server sent and read their embeddings."""
     keys = [EmbeddingKey.from_key(text) for text in key_texts]
     return await cache.get_embeddings(keys)
@@ -370,7 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--clients", type=int, default=3, help="concurrent self-test clients")
     parser.add_argument(
-        "--metrics-port", type=int, default=None, metavar="PORT",
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
         help="serve Prometheus /metrics of the cache on this port (0: any free port)",
     )
     parser.add_argument("--seed", type=int, default=0)

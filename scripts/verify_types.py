@@ -60,8 +60,18 @@ def main() -> int:
         scratch = Path(tmp)
         site = scratch / "site"
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-             "--target", str(site), str(ROOT)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-compile",
+                "--target",
+                str(site),
+                str(ROOT),
+            ],
             check=True,
         )
         report = _run_pyright(site, scratch)

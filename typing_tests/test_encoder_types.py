@@ -74,9 +74,7 @@ def keys_are_embedding_keys(feature: torch.Tensor, digests: list[MMHash]) -> Non
 
 
 def encode_returns_tensors(feature: torch.Tensor, cache: MemoryCache) -> None:
-    out = encode_with_cache(
-        feature, [(1, 2, 2)], encode=vision_tower, cache=cache, namespace="m"
-    )
+    out = encode_with_cache(feature, [(1, 2, 2)], encode=vision_tower, cache=cache, namespace="m")
     assert_type(out, list[torch.Tensor])
     result = encode_with_cache_report(
         feature, torch.tensor([[1, 2, 2]]), encode=vision_tower, cache=None, namespace="m"
@@ -91,12 +89,8 @@ def encode_returns_tensors(feature: torch.Tensor, cache: MemoryCache) -> None:
         encode_with_cache(clips, encode=audio_tower, cache=cache, namespace="m"),
         list[torch.Tensor],
     )
-    encode_with_cache(
-        feature, [(1, 2, 2)], encode=vision_tower, cache=cache, namespace="m", device="cuda:0"
-    )
-    encode_with_cache(
-        clips, encode=audio_tower, cache=cache, namespace="m", device=torch.device("cpu")
-    )
+    encode_with_cache(feature, [(1, 2, 2)], encode=vision_tower, cache=cache, namespace="m", device="cuda:0")
+    encode_with_cache(clips, encode=audio_tower, cache=cache, namespace="m", device=torch.device("cpu"))
 
 
 def encode_with_cache_is_strict(feature: torch.Tensor, cache: MemoryCache) -> None:
@@ -117,9 +111,7 @@ def encode_with_cache_is_strict(feature: torch.Tensor, cache: MemoryCache) -> No
 
 async def the_async_twin(feature: torch.Tensor, cache: MemoryCache) -> None:
     aio = AsyncCache(cache)
-    out = await aencode_with_cache(
-        feature, [(1, 2, 2)], encode=async_tower, cache=aio, namespace="m"
-    )
+    out = await aencode_with_cache(feature, [(1, 2, 2)], encode=async_tower, cache=aio, namespace="m")
     assert_type(out, list[torch.Tensor])
     result = await aencode_with_cache_report(
         feature, [(1, 2, 2)], encode=vision_tower, cache=aio, namespace="m"

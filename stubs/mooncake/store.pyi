@@ -128,14 +128,10 @@ class MooncakeDistributedStore:
     def get_batch(self, keys: list[str], /) -> list[bytes]:
         """One value or ``b""`` per key. De-duplicate keys first: duplicates read stale data."""
 
-    def put_batch(
-        self, keys: list[str], values: Sequence[_Value], config: ReplicateConfig = ...
-    ) -> int:
+    def put_batch(self, keys: list[str], values: Sequence[_Value], config: ReplicateConfig = ...) -> int:
         """ONE code for the whole batch: one bad item fails all of it."""
 
-    def upsert_batch(
-        self, keys: list[str], values: Sequence[_Value], config: ReplicateConfig = ...
-    ) -> int:
+    def upsert_batch(self, keys: list[str], values: Sequence[_Value], config: ReplicateConfig = ...) -> int:
         """ONE code for the whole batch."""
     # -- zero copy from registered buffers -------------------------------------------
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
@@ -144,14 +140,10 @@ class MooncakeDistributedStore:
     def unregister_buffer(self, buffer_ptr: int) -> int:
         """0 ok, -600 if not registered."""
 
-    def put_from(
-        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = ...
-    ) -> int:
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = ...) -> int:
         """0 ok (an existing key is not overwritten), negative error code."""
 
-    def upsert_from(
-        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = ...
-    ) -> int:
+    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = ...) -> int:
         """0 ok, replacing an existing value; negative error code."""
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
@@ -175,9 +167,7 @@ class MooncakeDistributedStore:
     ) -> list[int]:
         """One status code per key."""
 
-    def batch_get_into(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[int]:
+    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         """Bytes read or a negative code per key. De-duplicate keys first."""
 
     def batch_put_from_multi_buffers(

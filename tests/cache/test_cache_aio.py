@@ -151,9 +151,7 @@ class HeldInserts(MemoryCache):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         self.entered.set()
         assert self.release.wait(timeout=60)
         return super().insert_batch(keys, embeddings)
@@ -227,9 +225,7 @@ def test_an_insert_reads_only_after_waiting_for_the_callers_streams(
         return SpyReady()
 
     class Logged(MemoryCache):
-        def insert_batch(
-            self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-        ) -> list[bool]:
+        def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
             log.append(f"insert on {threading.current_thread().name}")
             return super().insert_batch(keys, embeddings)
 

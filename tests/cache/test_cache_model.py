@@ -38,9 +38,7 @@ TestTieredBothEvicting = make_cache_state_machine(
 TestTieredBothEvicting.settings = MODEL_SETTINGS
 
 TestTieredNested = make_cache_state_machine(
-    lambda: TieredCache(
-        MemoryCache(1024), TieredCache(MemoryCache(SMALL), MemoryCache(1 << 22))
-    ),
+    lambda: TieredCache(MemoryCache(1024), TieredCache(MemoryCache(SMALL), MemoryCache(1 << 22))),
     evicts=False,
 ).TestCase
 TestTieredNested.settings = MODEL_SETTINGS

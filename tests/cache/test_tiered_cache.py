@@ -49,9 +49,7 @@ class BrokenStore:
     def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         raise StoreError("master unreachable")
 
-    def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         raise StoreError("master unreachable")
 
     def prefetch(self, keys: Sequence[CacheKey]) -> int:
@@ -160,9 +158,7 @@ class ShiftedAnswers(MemoryCache):
     def get_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         return super().get_embeddings(keys)[1:]
 
-    def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         return super().insert_batch(keys, embeddings)[1:]
 
 
@@ -273,9 +269,7 @@ def test_a_promotion_never_overwrites_a_newer_insert() -> None:
     def insert_v2() -> None:
         assert cache.insert_batch([key(1)], [emb(100)]) == [True]
 
-    got = while_a_far_read_is_held(
-        l2, lambda: cache.get_embeddings([key(1), key(2)]), insert_v2
-    )
+    got = while_a_far_read_is_held(l2, lambda: cache.get_embeddings([key(1), key(2)]), insert_v2)
     assert isinstance(got, list) and values(got) == [1.0, 2.0]  # read before the insert: V1
     assert values(l1.get_embeddings([key(1), key(2)])) == [100.0, 2.0]  # key(2) promoted
     assert values(cache.get_embeddings([key(1)])) == [100.0]
@@ -303,9 +297,7 @@ def test_a_write_of_another_key_during_the_far_read_does_not_stop_promotion() ->
     def insert_other() -> None:
         assert cache.insert_batch([key(2)], [emb(2)]) == [True]
 
-    got = while_a_far_read_is_held(
-        l2, lambda: cache.get_embeddings([key(1)]), insert_other
-    )
+    got = while_a_far_read_is_held(l2, lambda: cache.get_embeddings([key(1)]), insert_other)
     assert isinstance(got, list) and values(got) == [1.0]
     assert values(l1.get_embeddings([key(1), key(2)])) == [1.0, 2.0]
 

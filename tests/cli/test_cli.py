@@ -190,16 +190,10 @@ def test_hash_reads_numpy_files(tmp_path: Path) -> None:
 
 def test_hash_of_an_unreadable_file_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
     (tmp_path / "junk.pt").write_text("not a tensor")
-    assert_one_clean_error_line(
-        mmkey("hash", str(tmp_path / "junk.pt")), "junk.pt: not a tensor file"
-    )
-    assert_one_clean_error_line(
-        mmkey("hash", str(tmp_path / "missing.pt")), "missing.pt: cannot read"
-    )
+    assert_one_clean_error_line(mmkey("hash", str(tmp_path / "junk.pt")), "junk.pt: not a tensor file")
+    assert_one_clean_error_line(mmkey("hash", str(tmp_path / "missing.pt")), "missing.pt: cannot read")
     torch.save(torch.zeros(2), tmp_path / "t.pt")
-    assert_one_clean_error_line(
-        mmkey("hash", "-n", "", str(tmp_path / "t.pt")), "--namespace"
-    )
+    assert_one_clean_error_line(mmkey("hash", "-n", "", str(tmp_path / "t.pt")), "--namespace")
 
 
 # mmkey demo and bench
@@ -210,8 +204,14 @@ def test_demo_runs_the_main_job_and_prints_a_summary() -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for row in (
-        "requests", "hit rate", "encoder calls saved", "time with the cache",
-        "time without the cache", "GB/s", "max |diff| 0.00e+00", "0 swallowed",
+        "requests",
+        "hit rate",
+        "encoder calls saved",
+        "time with the cache",
+        "time without the cache",
+        "GB/s",
+        "max |diff| 0.00e+00",
+        "0 swallowed",
     ):
         assert row in out, row
     assert "memory (MemoryCache" in out
@@ -236,7 +236,10 @@ def test_demo_on_mooncake_without_a_master_says_how_to_name_one() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
     proc = subprocess.run(
         [sys.executable, "-m", "mmkey", "demo", "--store", "mooncake"],
-        capture_output=True, text=True, env=env, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert proc.returncode == 2 and "MOONCAKE_MASTER" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -245,7 +248,14 @@ def test_demo_on_mooncake_without_a_master_says_how_to_name_one() -> None:
 @pytest.mark.mooncake
 def test_demo_on_a_real_mooncake_store(mooncake_master: MasterProcess) -> None:
     proc = mmkey(
-        "demo", "--store", "mooncake", "--requests", "5", "--pool", "2", "--no-baseline",
+        "demo",
+        "--store",
+        "mooncake",
+        "--requests",
+        "5",
+        "--pool",
+        "2",
+        "--no-baseline",
         env={"MOONCAKE_MASTER": mooncake_master.address, "MC_LOG_LEVEL": "ERROR"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -263,8 +273,19 @@ def test_demo_on_a_real_mooncake_store(mooncake_master: MasterProcess) -> None:
 def test_demo_on_mooncake_reports_the_masters_counts(mooncake_master: MasterProcess) -> None:
     env = {"MOONCAKE_MASTER": mooncake_master.address, "MC_LOG_LEVEL": "ERROR"}
     metrics = f"127.0.0.1:{mooncake_master.metrics_port}"
-    proc = mmkey("demo", "--store", "mooncake", "--requests", "6", "--pool", "5", "--no-baseline",
-                 "--master-metrics", metrics, env=env)
+    proc = mmkey(
+        "demo",
+        "--store",
+        "mooncake",
+        "--requests",
+        "6",
+        "--pool",
+        "5",
+        "--no-baseline",
+        "--master-metrics",
+        metrics,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     encoded = int(_row(proc.stdout, "encoder calls").split()[0])
     assert _row(proc.stdout, "written by this client") == f"{encoded} entries"
@@ -275,8 +296,19 @@ def test_demo_on_mooncake_reports_the_masters_counts(mooncake_master: MasterProc
     assert usage is not None, _row(proc.stdout, "store, master's count")
     assert int(usage[1]) == encoded and float(usage[2]) > 0  # only this demo wrote
     # a metrics endpoint that does not answer: said, not guessed
-    silent = mmkey("demo", "--store", "mooncake", "--requests", "2", "--pool", "2", "--no-baseline",
-                   "--master-metrics", "127.0.0.1:9", env=env)
+    silent = mmkey(
+        "demo",
+        "--store",
+        "mooncake",
+        "--requests",
+        "2",
+        "--pool",
+        "2",
+        "--no-baseline",
+        "--master-metrics",
+        "127.0.0.1:9",
+        env=env,
+    )
     assert silent.returncode == 0, silent.stderr[-2000:]
     assert _row(silent.stdout, "store, master's count").startswith("unknown: no answer")
 

@@ -31,9 +31,17 @@ def _mmkey(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 def test_print_command_reads_flags_and_mooncake_variables() -> None:
     proc = _mmkey(
-        "holder", "--print-command", "--port", "50099", "--http-port", "9399",
-        env={"MOONCAKE_MASTER": "127.0.0.1:50051", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1GB",
-             "MOONCAKE_LOCAL_HOSTNAME": "10.0.0.7"},
+        "holder",
+        "--print-command",
+        "--port",
+        "50099",
+        "--http-port",
+        "9399",
+        env={
+            "MOONCAKE_MASTER": "127.0.0.1:50051",
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1GB",
+            "MOONCAKE_LOCAL_HOSTNAME": "10.0.0.7",
+        },
     )
     assert proc.returncode == 0, proc.stderr
     argv = shlex.split(proc.stdout)
@@ -48,8 +56,15 @@ def test_print_command_reads_flags_and_mooncake_variables() -> None:
         "--enable_http_server=true",
         "--http_port=9399",
     ]
-    flags_win = _mmkey("holder", "--print-command", "--master", "127.0.0.1:6000",
-                       "--global-segment-size", "64MB", env={"MOONCAKE_MASTER": "127.0.0.1:50051"})
+    flags_win = _mmkey(
+        "holder",
+        "--print-command",
+        "--master",
+        "127.0.0.1:6000",
+        "--global-segment-size",
+        "64MB",
+        env={"MOONCAKE_MASTER": "127.0.0.1:50051"},
+    )
     assert "--master_server_address=127.0.0.1:6000" in flags_win.stdout
     assert f"--global_segment_size={64 << 20}" in flags_win.stdout
 
@@ -79,8 +94,16 @@ def test_entries_outlive_the_writer_while_the_holder_runs(mooncake_master: Maste
     before = _master_segments(mooncake_master)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mmkey", "holder", "--port", str(_free_port()),
-         "--global-segment-size", "64MB"],
+        [
+            sys.executable,
+            "-m",
+            "mmkey",
+            "holder",
+            "--port",
+            str(_free_port()),
+            "--global-segment-size",
+            "64MB",
+        ],
         env={**environ, **HOLDER_ENV, "MOONCAKE_MASTER": mooncake_master.address},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

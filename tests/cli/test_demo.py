@@ -64,7 +64,14 @@ def test_patchify_lays_rows_out_like_the_qwen2_vl_processor() -> None:
     c_of = ((per_channel[:, 1, 0] * std + mean) * 255).round().long().tolist()
     # 2x2 merge windows are contiguous, windows in row-major order
     assert list(zip(r_of, c_of, strict=True))[:8] == [
-        (0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3),
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (0, 2),
+        (0, 3),
+        (1, 2),
+        (1, 3),
     ]
 
 

@@ -96,22 +96,35 @@ def test_identifier_vectors_agree_with_independent_blake3(identifier: str) -> No
 
 
 GOLDEN_KEYS = [
-    (("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, 0x601B89200E4FFA2F71483ACFB804C0DD),
-     "mmk1@qwen2-vl-7b@image@blake3@601b89200e4ffa2f71483acfb804c0dd"),
-    (("qwen2-vl-7b", Modality.VIDEO, HashScheme.XXH3, 0),
-     "mmk1@qwen2-vl-7b@video@xxh3@00000000000000000000000000000000"),
-    (("whisper", Modality.AUDIO, HashScheme.SGLANG, 0x29E1889124DC651E),
-     "mmk1@whisper@audio@sglang@29e1889124dc651e"),
-    (("org/model@rev:1 ä", Modality.IMAGE, HashScheme.SGLANG, 2**64 - 1),
-     "mmk1@org%2Fmodel%40rev%3A1%20%C3%A4@image@sglang@ffffffffffffffff"),
-    (("A-Z.a_z~09", Modality.AUDIO, HashScheme.BLAKE3, 2**128 - 1),
-     "mmk1@A-Z.a_z~09@audio@blake3@ffffffffffffffffffffffffffffffff"),
-    (("%", Modality.VIDEO, HashScheme.SGLANG, 1),
-     "mmk1@%25@video@sglang@0000000000000001"),
-    (("\U0001f642", Modality.IMAGE, HashScheme.XXH3, 0xABC),
-     "mmk1@%F0%9F%99%82@image@xxh3@00000000000000000000000000000abc"),
-    (("qwen2-vl-7b", Modality.VIDEO, HashScheme.ID, 0x1A8BC4298A81CD17021F1B3A47192DC5),
-     "mmk1@qwen2-vl-7b@video@id@1a8bc4298a81cd17021f1b3a47192dc5"),
+    (
+        ("qwen2-vl-7b", Modality.IMAGE, HashScheme.BLAKE3, 0x601B89200E4FFA2F71483ACFB804C0DD),
+        "mmk1@qwen2-vl-7b@image@blake3@601b89200e4ffa2f71483acfb804c0dd",
+    ),
+    (
+        ("qwen2-vl-7b", Modality.VIDEO, HashScheme.XXH3, 0),
+        "mmk1@qwen2-vl-7b@video@xxh3@00000000000000000000000000000000",
+    ),
+    (
+        ("whisper", Modality.AUDIO, HashScheme.SGLANG, 0x29E1889124DC651E),
+        "mmk1@whisper@audio@sglang@29e1889124dc651e",
+    ),
+    (
+        ("org/model@rev:1 ä", Modality.IMAGE, HashScheme.SGLANG, 2**64 - 1),
+        "mmk1@org%2Fmodel%40rev%3A1%20%C3%A4@image@sglang@ffffffffffffffff",
+    ),
+    (
+        ("A-Z.a_z~09", Modality.AUDIO, HashScheme.BLAKE3, 2**128 - 1),
+        "mmk1@A-Z.a_z~09@audio@blake3@ffffffffffffffffffffffffffffffff",
+    ),
+    (("%", Modality.VIDEO, HashScheme.SGLANG, 1), "mmk1@%25@video@sglang@0000000000000001"),
+    (
+        ("\U0001f642", Modality.IMAGE, HashScheme.XXH3, 0xABC),
+        "mmk1@%F0%9F%99%82@image@xxh3@00000000000000000000000000000abc",
+    ),
+    (
+        ("qwen2-vl-7b", Modality.VIDEO, HashScheme.ID, 0x1A8BC4298A81CD17021F1B3A47192DC5),
+        "mmk1@qwen2-vl-7b@video@id@1a8bc4298a81cd17021f1b3a47192dc5",
+    ),
 ]
 
 

@@ -125,9 +125,7 @@ def test_hash_bytes_of_non_contiguous_memory_hashes_c_order() -> None:
 
 
 def test_hash_bytes_sglang_is_sha256_prefix() -> None:
-    assert hash_bytes(b"abc", HashScheme.SGLANG) == int.from_bytes(
-        hashlib.sha256(b"abc").digest()[:8], "big"
-    )
+    assert hash_bytes(b"abc", HashScheme.SGLANG) == int.from_bytes(hashlib.sha256(b"abc").digest()[:8], "big")
 
 
 def test_hash_bytes_and_hash_tensor_are_separate_domains() -> None:

@@ -33,8 +33,19 @@ def test_keys_work_without_loading_torch() -> None:
 def test_public_names_are_exported() -> None:
     for name in mmkey.__all__:
         assert getattr(mmkey, name) is not None
-    for required in ("MMHash", "mm_hash", "HashScheme", "Modality", "hash_tensor", "hash_bytes",
-                     "CacheKey", "EmbeddingKey", "EmbeddingCache", "InvalidKey", "InvalidDigest"):
+    for required in (
+        "MMHash",
+        "mm_hash",
+        "HashScheme",
+        "Modality",
+        "hash_tensor",
+        "hash_bytes",
+        "CacheKey",
+        "EmbeddingKey",
+        "EmbeddingCache",
+        "InvalidKey",
+        "InvalidDigest",
+    ):
         assert required in mmkey.__all__
 
 

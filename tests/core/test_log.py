@@ -48,6 +48,7 @@ def test_notes_are_summed_by_reason_into_one_line_a_period(caplog: pytest.LogCap
 
 def test_counters_keep_totals_and_hand_out_intervals_across_threads() -> None:
     counts = Counters()
+
     def add_many() -> None:
         for _ in range(500):
             counts.add(hits=1, misses=0)

@@ -117,9 +117,7 @@ class DictCache:
             out.append(None if found is None else found.clone())
         return out
 
-    def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         texts = self._enter("insert_batch", keys)
         if "insert_batch" in self.malformed:
             return [1] * len(texts)  # type: ignore[list-item]
@@ -199,14 +197,10 @@ def test_audio_items_come_as_a_list_of_tensors() -> None:
 
 def test_keys_name_namespace_modality_and_scheme() -> None:
     feature, grids = request([1, 2])
-    keys = keys_from_features(
-        feature, grids, namespace=NS, modality=Modality.VIDEO, scheme=HashScheme.XXH3
-    )
+    keys = keys_from_features(feature, grids, namespace=NS, modality=Modality.VIDEO, scheme=HashScheme.XXH3)
     digests = hashes_from_features(feature, grids, scheme=HashScheme.XXH3)
     assert keys == [EmbeddingKey(NS, Modality.VIDEO, HashScheme.XXH3, d) for d in digests]
-    assert keys == embedding_keys(
-        digests, namespace=NS, modality=Modality.VIDEO, scheme=HashScheme.XXH3
-    )
+    assert keys == embedding_keys(digests, namespace=NS, modality=Modality.VIDEO, scheme=HashScheme.XXH3)
     other = keys_from_features(feature, grids, namespace="model-b")
     assert {k.to_key() for k in keys}.isdisjoint(k.to_key() for k in other)
 
@@ -220,9 +214,7 @@ def test_keys_name_namespace_modality_and_scheme() -> None:
         ([(1, 2, 2), (1, 2, 2), (1, 2)], "item 2: grid (1, 2) is not a (t, h, w) triple"),
     ],
 )
-def test_rows_grid_mismatch_is_a_value_error_naming_the_item(
-    grids: list[Grid], message: str
-) -> None:
+def test_rows_grid_mismatch_is_a_value_error_naming_the_item(grids: list[Grid], message: str) -> None:
     feature = torch.zeros(12, WIDTH)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         hashes_from_features(feature, grids)
@@ -276,9 +268,7 @@ def test_only_misses_reach_the_encoder() -> None:
 
 def test_identical_items_in_one_request_are_encoded_once() -> None:
     cache, encode = DictCache(), CountingEncoder()
-    result = encode_with_cache_report(
-        *request([5, 6, 5, 5, 6]), encode=encode, cache=cache, namespace=NS
-    )
+    result = encode_with_cache_report(*request([5, 6, 5, 5, 6]), encode=encode, cache=cache, namespace=NS)
     assert encode.items_encoded == 2
     assert len(cache.calls[0][1]) == 2, "each distinct key is looked up once"
     assert len(cache.calls[-1][1]) == 2, "and inserted once"
@@ -329,8 +319,13 @@ def test_modality_and_scheme_are_part_of_the_key() -> None:
     for modality in Modality:
         for scheme in CONTENT_SCHEMES:
             encode_with_cache(
-                feature, grids, encode=encode, cache=cache, namespace=NS,
-                modality=modality, scheme=scheme,
+                feature,
+                grids,
+                encode=encode,
+                cache=cache,
+                namespace=NS,
+                modality=modality,
+                scheme=scheme,
             )
     assert encode.items_encoded == len(Modality) * len(CONTENT_SCHEMES)
 
@@ -338,7 +333,10 @@ def test_modality_and_scheme_are_part_of_the_key() -> None:
 def test_an_identifier_scheme_cannot_hash_features() -> None:
     with pytest.raises(ValueError, match="identifier_digest"):
         encode_with_cache(
-            *request([1]), encode=CountingEncoder(), cache=DictCache(), namespace=NS,
+            *request([1]),
+            encode=CountingEncoder(),
+            cache=DictCache(),
+            namespace=NS,
             scheme=HashScheme.ID,
         )
 
@@ -383,9 +381,7 @@ def test_a_bad_namespace_fails_before_any_work() -> None:
 
 
 @pytest.mark.parametrize("op", ["batch_is_exist", "get_embeddings", "insert_batch"])
-def test_a_raising_cache_recomputes_and_counts(
-    op: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_raising_cache_recomputes_and_counts(op: str, caplog: pytest.LogCaptureFixture) -> None:
     cache, encode = DictCache(), CountingEncoder()
     encode_with_cache(*request([1, 2]), encode=encode, cache=cache, namespace=NS)
     cache.fail.add(op)
@@ -491,20 +487,14 @@ def test_an_encoder_failure_propagates_and_nothing_is_inserted() -> None:
 def test_list_items_reach_the_encoder_as_a_list() -> None:
     seen: list[tuple[list[torch.Tensor], torch.Tensor | None]] = []
 
-    def encode_audio(
-        clips: list[torch.Tensor], grid_thw: torch.Tensor | None
-    ) -> list[torch.Tensor]:
+    def encode_audio(clips: list[torch.Tensor], grid_thw: torch.Tensor | None) -> list[torch.Tensor]:
         seen.append((clips, grid_thw))
         return [c.mean(dim=1) for c in clips]
 
     clips = [torch.randn(8, 10), torch.randn(8, 20)]
     cache = DictCache()
-    encode_with_cache(
-        clips[:1], encode=encode_audio, cache=cache, namespace=NS, modality=Modality.AUDIO
-    )
-    out = encode_with_cache(
-        clips, encode=encode_audio, cache=cache, namespace=NS, modality=Modality.AUDIO
-    )
+    encode_with_cache(clips[:1], encode=encode_audio, cache=cache, namespace=NS, modality=Modality.AUDIO)
+    out = encode_with_cache(clips, encode=encode_audio, cache=cache, namespace=NS, modality=Modality.AUDIO)
     assert seen[-1][0][0] is clips[1] and len(seen[-1][0]) == 1 and seen[-1][1] is None
     assert torch.equal(out[0], clips[0].mean(dim=1)) and torch.equal(out[1], clips[1].mean(dim=1))
 
@@ -516,15 +506,11 @@ def test_reports_add_up() -> None:
     cache, encode = DictCache(), CountingEncoder()
     total = EncodeReport()
     for ids in ([1, 2], [2, 3, 3], [1]):
-        total += encode_with_cache_report(
-            *request(ids), encode=encode, cache=cache, namespace=NS
-        ).report
+        total += encode_with_cache_report(*request(ids), encode=encode, cache=cache, namespace=NS).report
     assert (total.items, total.unique, total.hits, total.encoded) == (6, 5, 2, 3)
     assert (total.saved, total.duplicates, total.inserted) == (3, 1, 3)
     assert total.hit_rate == pytest.approx(2 / 5)
-    assert total.hashed_bytes == sum(
-        item(i)[0].numel() * 4 for i in [1, 2, 2, 3, 3, 1]
-    )
+    assert total.hashed_bytes == sum(item(i)[0].numel() * 4 for i in [1, 2, 2, 3, 3, 1])
     assert total.hash_seconds > 0 and total.encode_seconds > 0
     assert EncodeReport().hit_rate == 0.0
 
@@ -570,9 +556,7 @@ def devices(embeddings: Sequence[torch.Tensor]) -> set[str]:
 
 def test_a_partly_cached_request_comes_back_on_the_encoders_device() -> None:
     cache, encode = cache_holding([1]), DeviceEncoder("meta")
-    result = encode_with_cache_report(
-        *request([1, 2, 1]), encode=encode, cache=cache, namespace=NS
-    )
+    result = encode_with_cache_report(*request([1, 2, 1]), encode=encode, cache=cache, namespace=NS)
     assert (result.report.hits, result.report.encoded) == (1, 1)
     assert devices(result.embeddings) == {"meta"}
     assert result.embeddings[0] is result.embeddings[2], "duplicates still share one tensor"
@@ -586,7 +570,10 @@ def test_the_device_argument_puts_every_embedding_there() -> None:
     )
     assert devices(out) == {"meta"}
     hits_only = encode_with_cache(
-        *request([1, 2]), encode=CountingEncoder(), cache=cache, namespace=NS,
+        *request([1, 2]),
+        encode=CountingEncoder(),
+        cache=cache,
+        namespace=NS,
         device=torch.device("meta"),
     )
     assert devices(hits_only) == {"meta"}
@@ -621,9 +608,7 @@ def test_a_bad_device_is_refused_before_any_work(device: Any, error: type, match
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_encoder_outputs_and_cpu_hits_come_back_on_one_device() -> None:  # pragma: no cover
     cache = cache_holding([1])
-    out = encode_with_cache(
-        *request([1, 2]), encode=DeviceEncoder("cuda"), cache=cache, namespace=NS
-    )
+    out = encode_with_cache(*request([1, 2]), encode=DeviceEncoder("cuda"), cache=cache, namespace=NS)
     assert devices(out) == {"cuda:0"}
     torch.cat(out)  # the call that failed on partial hits
     assert torch.equal(out[0].cpu(), reference(*item(1)))

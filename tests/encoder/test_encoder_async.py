@@ -31,9 +31,7 @@ class AsyncDictCache:
         await asyncio.sleep(0)
         return self.inner.get_embeddings(keys)
 
-    async def insert_batch(
-        self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]
-    ) -> list[bool]:
+    async def insert_batch(self, keys: Sequence[CacheKey], embeddings: Sequence[torch.Tensor]) -> list[bool]:
         await asyncio.sleep(0)
         return self.inner.insert_batch(keys, embeddings)
 
@@ -59,9 +57,7 @@ def test_only_misses_reach_an_async_encoder_once_each_in_order() -> None:
         cache, encode = AsyncDictCache(), AsyncCountingEncoder()
         await aencode_with_cache(*request([1, 2]), encode=encode.run, cache=cache, namespace=NS)
         ids = [3, 1, 3, 2, 4]
-        result = await aencode_with_cache_report(
-            *request(ids), encode=encode.run, cache=cache, namespace=NS
-        )
+        result = await aencode_with_cache_report(*request(ids), encode=encode.run, cache=cache, namespace=NS)
         assert encode.items_encoded == 4, "3 and 4 once each; 1 and 2 were hits"
         assert all(torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, ids, strict=True))
         assert (result.report.hits, result.report.encoded, result.report.duplicates) == (2, 2, 1)
@@ -72,9 +68,7 @@ def test_only_misses_reach_an_async_encoder_once_each_in_order() -> None:
 def test_a_plain_encoder_function_is_accepted() -> None:
     async def main() -> None:
         encode = CountingEncoder()
-        out = await aencode_with_cache(
-            *request([5, 5]), encode=encode, cache=AsyncDictCache(), namespace=NS
-        )
+        out = await aencode_with_cache(*request([5, 5]), encode=encode, cache=AsyncDictCache(), namespace=NS)
         assert encode.items_encoded == 1 and out[0] is out[1]
 
     asyncio.run(main())
@@ -82,9 +76,7 @@ def test_a_plain_encoder_function_is_accepted() -> None:
 
 def test_sync_and_async_twins_share_keys_and_results() -> None:
     memory = MemoryCache(1 << 20)
-    sync_out = encode_with_cache(
-        *request([1, 2]), encode=CountingEncoder(), cache=memory, namespace=NS
-    )
+    sync_out = encode_with_cache(*request([1, 2]), encode=CountingEncoder(), cache=memory, namespace=NS)
 
     async def main() -> None:
         encode = CountingEncoder()
@@ -104,9 +96,7 @@ def test_a_failing_async_cache_recomputes_and_counts(op: str) -> None:
         cache, encode = AsyncDictCache(), CountingEncoder()
         await aencode_with_cache(*request([1]), encode=encode, cache=cache, namespace=NS)
         cache.inner.fail.add(op)
-        result = await aencode_with_cache_report(
-            *request([1, 2]), encode=encode, cache=cache, namespace=NS
-        )
+        result = await aencode_with_cache_report(*request([1, 2]), encode=encode, cache=cache, namespace=NS)
         assert all(
             torch.equal(g, reference(*item(i))) for g, i in zip(result.embeddings, [1, 2], strict=True)
         )
@@ -120,9 +110,7 @@ def test_a_stale_entry_is_encoded_by_the_async_twin() -> None:
         cache, encode = AsyncDictCache(), CountingEncoder()
         first = await aencode_with_cache(*request([1]), encode=encode, cache=cache, namespace=NS)
         cache.inner.forget_on_get.update(cache.inner.entries)
-        result = await aencode_with_cache_report(
-            *request([1]), encode=encode, cache=cache, namespace=NS
-        )
+        result = await aencode_with_cache_report(*request([1]), encode=encode, cache=cache, namespace=NS)
         assert (result.report.stale, result.report.encoded) == (1, 1)
         assert torch.equal(result.embeddings[0], first[0])
 
@@ -276,9 +264,7 @@ def test_features_written_on_a_side_stream_hash_as_written(
         with torch.cuda.stream(side):
             torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s of cycles
             feature.copy_(source)  # device to device: queued behind the sleep
-            result = await aencode_with_cache_report(
-                feature, grids, encode=encode, cache=None, namespace=NS
-            )
+            result = await aencode_with_cache_report(feature, grids, encode=encode, cache=None, namespace=NS)
         torch.cuda.synchronize()
         assert [k.digest for k in result.keys] == hashes_from_features(cpu_feature, grids)
         return result.embeddings

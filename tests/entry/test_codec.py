@@ -131,10 +131,10 @@ def test_copy_false_aliases_a_writable_buffer_and_refuses_read_only() -> None:
 def test_encode_into_writes_the_same_entry_and_nothing_after_it() -> None:
     t = sample(torch.bfloat16, (3, 5))
     size = entry_size(KEY, t)
-    buf = bytearray(b"\xAB" * (size + 16))
+    buf = bytearray(b"\xab" * (size + 16))
     assert encode_entry_into(buf, KEY, t) == size
     assert bytes(buf[:size]) == encode_entry(KEY, t)
-    assert buf[size:] == b"\xAB" * 16
+    assert buf[size:] == b"\xab" * 16
     assert_same(decode_entry(KEY, memoryview(buf)[:size]), t)
     with pytest.raises(ValueError, match="needs"):
         encode_entry_into(bytearray(size - 1), KEY, t)
@@ -161,13 +161,22 @@ def test_byte_layout_is_format_v1() -> None:
 def test_golden_entry_never_changes() -> None:
     key = "mmk1@m@image@xxh3@" + "0" * 31 + "1"
     data = encode_entry(key, torch.tensor([1, -2], dtype=torch.int16))
-    assert data.hex() == (
-        "4d4d4b45" "01" "04" "01" "00" "3200" "8000" "00000000" "0400000000000000"
-        "78455c05f7b83a573b3fe111492c09d8"  # XXH3-128 of [0, 24) and [40, end)
-        "0200000000000000"
-        + key.encode().hex()
-        + "00" * 30
-        + "0100" "feff"
+    assert (
+        data.hex()
+        == (
+            "4d4d4b45"
+            "01"
+            "04"
+            "01"
+            "00"
+            "3200"
+            "8000"
+            "00000000"
+            "0400000000000000"
+            "78455c05f7b83a573b3fe111492c09d8"  # XXH3-128 of [0, 24) and [40, end)
+            "0200000000000000" + key.encode().hex() + "00" * 30 + "0100"
+            "feff"
+        )
     )
     assert decode_entry(key, data).tolist() == [1, -2]
 
@@ -220,9 +229,7 @@ def test_any_extension_is_refused(entry: bytes, tail: bytes) -> None:
 
 
 @given(st.sampled_from(ENTRIES), st.integers(0, 2**128 - 1), st.sampled_from(list(Modality)))
-def test_an_entry_read_under_another_key_is_refused(
-    entry: bytes, digest: int, modality: Modality
-) -> None:
+def test_an_entry_read_under_another_key_is_refused(entry: bytes, digest: int, modality: Modality) -> None:
     other = EmbeddingKey("qwen2-vl-7b", modality, HashScheme.BLAKE3, mm_hash(digest)).to_key()
     if other == KEY:
         return

@@ -53,9 +53,7 @@ def fixed_clock() -> Iterator[None]:
     codec._clock = real
 
 
-DTYPE_NAMES = tuple(
-    name for name in DTYPE_CODES if isinstance(getattr(torch, name, None), torch.dtype)
-)
+DTYPE_NAMES = tuple(name for name in DTYPE_CODES if isinstance(getattr(torch, name, None), torch.dtype))
 """Every dtype of `DTYPE_CODES` this torch can make."""
 
 
@@ -171,16 +169,18 @@ def cases(draw: st.DrawFn) -> Case:
     )
 
 
-ONE_RUN = Case(
-    "float32", (3,), False, Layout((5,), (0,), (1, 1)), Layout((5,), (0,), (2, 1)), 1, KEY, False
-)
+ONE_RUN = Case("float32", (3,), False, Layout((5,), (0,), (1, 1)), Layout((5,), (0,), (2, 1)), 1, KEY, False)
 ZERO_ROW_AMONG_OTHERS = Case(
-    "bfloat16", (2, 3), False, Layout((2, 0, 3), (2, 0, 1), (1, 1, 1, 1)),
-    Layout((0, 4, 1), (1, 2, 0), (1, 2, 1, 1)), 2, KEY, True,
+    "bfloat16",
+    (2, 3),
+    False,
+    Layout((2, 0, 3), (2, 0, 1), (1, 1, 1, 1)),
+    Layout((0, 4, 1), (1, 2, 0), (1, 2, 1, 1)),
+    2,
+    KEY,
+    True,
 )
-SCALAR = Case(
-    "complex64", (), True, Layout((1,), (0,), (1, 1)), Layout((1,), (0,), (2, 1)), 3, KEY, True
-)
+SCALAR = Case("complex64", (), True, Layout((1,), (0,), (1, 1)), Layout((1,), (0,), (2, 1)), 3, KEY, True)
 
 
 @settings(max_examples=300)
@@ -412,19 +412,26 @@ BAD_RUNS = [
     pytest.param([], TypeError, NOT_RUNS, id="empty-list"),
     pytest.param((), TypeError, NOT_RUNS, id="empty-tuple"),
     pytest.param(iter([torch.zeros(6, 4)]), TypeError, NOT_RUNS, id="iterator"),
-    pytest.param([torch.zeros(2, 4), [0.0] * 4], TypeError, "must be torch.Tensor, got list",
-                 id="non-tensor-run"),
-    pytest.param([torch.zeros(2, 4), torch.zeros(8, 4)[::2]], ValueError, "a non-contiguous",
-                 id="non-contiguous"),
+    pytest.param(
+        [torch.zeros(2, 4), [0.0] * 4], TypeError, "must be torch.Tensor, got list", id="non-tensor-run"
+    ),
+    pytest.param(
+        [torch.zeros(2, 4), torch.zeros(8, 4)[::2]], ValueError, "a non-contiguous", id="non-contiguous"
+    ),
     pytest.param(torch.zeros(4, 6).t(), ValueError, "a non-contiguous", id="transposed"),
-    pytest.param([torch.zeros(2, 4), torch.zeros(4, 4, device="meta")], ValueError, "on meta",
-                 id="meta"),
-    pytest.param([torch.zeros(2, 4, dtype=torch.complex64), conj_tensor()], ValueError,
-                 "without conj/neg", id="conj"),
-    pytest.param([torch.zeros(2, 4), torch._neg_view(torch.zeros(4, 4))], ValueError,
-                 "without conj/neg", id="neg"),
-    pytest.param([torch.zeros(2, 4), torch.zeros(4, 4, dtype=torch.float64)], ValueError,
-                 "share one dtype", id="dtypes"),
+    pytest.param([torch.zeros(2, 4), torch.zeros(4, 4, device="meta")], ValueError, "on meta", id="meta"),
+    pytest.param(
+        [torch.zeros(2, 4, dtype=torch.complex64), conj_tensor()], ValueError, "without conj/neg", id="conj"
+    ),
+    pytest.param(
+        [torch.zeros(2, 4), torch._neg_view(torch.zeros(4, 4))], ValueError, "without conj/neg", id="neg"
+    ),
+    pytest.param(
+        [torch.zeros(2, 4), torch.zeros(4, 4, dtype=torch.float64)],
+        ValueError,
+        "share one dtype",
+        id="dtypes",
+    ),
     pytest.param([torch.zeros(2, 4), torch.zeros(4, 3)], ValueError, SHARED, id="trailing"),
     pytest.param([torch.zeros(2, 4), torch.zeros(())], ValueError, SHARED, id="0-d-among"),
     pytest.param([uncoded("int4")], TypeError, "cannot store dtype torch.int4", id="no-code"),
@@ -434,9 +441,7 @@ BAD_RUNS = [
 
 
 @pytest.mark.parametrize(("runs", "error", "message"), BAD_RUNS)
-def test_entry_header_refuses_bad_payloads(
-    runs: object, error: type[Exception], message: str
-) -> None:
+def test_entry_header_refuses_bad_payloads(runs: object, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         entry_header(KEY, runs)  # type: ignore[arg-type]
 

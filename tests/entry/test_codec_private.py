@@ -93,9 +93,7 @@ def into(data: bytearray) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_targets_stay_untouched_when_the_stranger_wins(
-    n: int, on_hash: list[Callable[[], None]]
-) -> None:
+def test_targets_stay_untouched_when_the_stranger_wins(n: int, on_hash: list[Callable[[], None]]) -> None:
     entry = bytearray(encode_entry(KEY, genuine(n), keyring=RING))
     head = peek_header(entry).header_size
     # write before the first hash: every chunk copied afterwards is the stranger's

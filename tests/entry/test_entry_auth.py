@@ -73,9 +73,7 @@ def no_secret_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def sample(
-    shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def sample(shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     numel = 1
     for dim in shape:
@@ -118,7 +116,13 @@ def test_authenticated_layout_is_the_documented_one() -> None:
         "<4sBBBBHHIQ", data
     )
     assert (magic, version, ndim, flags, key_len, reserved, payload) == (
-        b"MMKE", 1, 2, FLAG_AUTHENTICATED | FLAG_ISSUED_AT, len(TEXT), 0, 24,
+        b"MMKE",
+        1,
+        2,
+        FLAG_AUTHENTICATED | FLAG_ISSUED_AT,
+        len(TEXT),
+        0,
+        24,
     )
     assert head == (88 + 16 + len(TEXT) + 63) // 64 * 64 == len(data) - 24
     assert data[72:80] == key_id(SECRET) == RING.current.key_id
@@ -145,14 +149,21 @@ def test_golden_authenticated_entry_still_verifies() -> None:
     """Entries signed before issue times (flag 1 alone) are read as they always were."""
     key, ring = GOLDEN_KEY, GOLDEN_RING
     data = bytes.fromhex(
-        "4d4d4b45" "01" "04" "01" "01" "3200" "c000" "00000000" "0400000000000000"
+        "4d4d4b45"
+        "01"
+        "04"
+        "01"
+        "01"
+        "3200"
+        "c000"
+        "00000000"
+        "0400000000000000"
         "69596b7ed071a41125afd3f9ff153604"  # XXH3-128 of [0, 24) and [72, end)
-        "429c8a0bf3ccacf671733e001c50f29f" "424f9cf4eec73c1cbabfa9c7d5b205aa"  # the MAC
+        "429c8a0bf3ccacf671733e001c50f29f"
+        "424f9cf4eec73c1cbabfa9c7d5b205aa"  # the MAC
         "3cdb1f8fc842d9d3"  # the secret's id
-        "0200000000000000"
-        + key.encode().hex()
-        + "00" * 54
-        + "0100" "feff"
+        "0200000000000000" + key.encode().hex() + "00" * 54 + "0100"
+        "feff"
     )
     assert decode_entry(key, data, keyring=ring).tolist() == [1, -2]
     assert decode_entry(key, data).tolist() == [1, -2]
@@ -163,16 +174,26 @@ def test_golden_entry_with_an_issue_time_never_changes(monkeypatch: pytest.Monke
     monkeypatch.setattr(codec, "_clock", lambda: 1_796_000_000.5)
     key, ring = GOLDEN_KEY, GOLDEN_RING
     data = encode_entry(key, torch.tensor([1, -2], dtype=torch.int16), keyring=ring)
-    assert data.hex() == (
-        "4d4d4b45" "01" "04" "01" "03" "3200" "c000" "00000000" "0400000000000000"
-        "576e0f19e8a26014bd4ce9bb325a57c3"  # XXH3-128 of [0, 24) and [72, end)
-        "858127c284f240d8a6c61d9a5ebe813c" "caf2d98182f58303d8aee7ca39281d96"  # the MAC
-        "3cdb1f8fc842d9d3"  # the secret's id
-        "00c90c6b00000000"  # issued at 1796000000 s (2026-11-30T00:53:20Z), u64
-        "0200000000000000"
-        + key.encode().hex()
-        + "00" * 46
-        + "0100" "feff"
+    assert (
+        data.hex()
+        == (
+            "4d4d4b45"
+            "01"
+            "04"
+            "01"
+            "03"
+            "3200"
+            "c000"
+            "00000000"
+            "0400000000000000"
+            "576e0f19e8a26014bd4ce9bb325a57c3"  # XXH3-128 of [0, 24) and [72, end)
+            "858127c284f240d8a6c61d9a5ebe813c"
+            "caf2d98182f58303d8aee7ca39281d96"  # the MAC
+            "3cdb1f8fc842d9d3"  # the secret's id
+            "00c90c6b00000000"  # issued at 1796000000 s (2026-11-30T00:53:20Z), u64
+            "0200000000000000" + key.encode().hex() + "00" * 46 + "0100"
+            "feff"
+        )
     )
     assert data[24:40] == xxhash.xxh3_128(data[:24] + data[72:]).digest()
     assert decode_entry(key, data, keyring=ring).tolist() == [1, -2]
@@ -232,9 +253,7 @@ ENTRIES = [
 def test_any_bit_flip_is_never_served(entry: bytes, data: st.DataObject, fix: bool) -> None:
     """Flips anywhere, with or without the public checksum made to fit again."""
     spots = data.draw(
-        st.sets(
-            st.tuples(st.integers(0, len(entry) - 1), st.integers(0, 7)), min_size=1, max_size=8
-        )
+        st.sets(st.tuples(st.integers(0, len(entry) - 1), st.integers(0, 7)), min_size=1, max_size=8)
     )
     broken = bytearray(entry)
     for at, bit in spots:
@@ -303,8 +322,9 @@ def test_a_writer_without_the_secret_is_refused() -> None:
         decode_entry(TEXT, plain, keyring=ended)  # the window closed
     # the window opens for entries without a MAC only, never for a failed MAC
     with pytest.raises(ForgedEntry):
-        decode_entry(TEXT, encode_entry(TEXT, t, keyring=EntryKeyring.from_secrets(OTHER_SECRET)),
-                     keyring=migrating)
+        decode_entry(
+            TEXT, encode_entry(TEXT, t, keyring=EntryKeyring.from_secrets(OTHER_SECRET)), keyring=migrating
+        )
 
 
 def test_a_downgraded_entry_is_an_unauthenticated_one() -> None:
@@ -476,8 +496,10 @@ def write_secret(path: Path, text: str, mode: int = 0o600) -> Path:
         ({ENV_SECRET: SECRET.hex() + "\n"}, "trailing newline"),
         ({ENV_SECRET_FILE: "/nonexistent/entry.key"}, "cannot read"),
         ({ENV_PREVIOUS: "/x@2999-01-01T00:00:00Z"}, "need a current secret"),
-        ({ENV_SECRET: SECRET.hex(), ENV_PREVIOUS: "/nonexistent/old.key@2999-01-01T00:00:00Z"},
-         "cannot read"),
+        (
+            {ENV_SECRET: SECRET.hex(), ENV_PREVIOUS: "/nonexistent/old.key@2999-01-01T00:00:00Z"},
+            "cannot read",
+        ),
         ({ENV_SECRET: SECRET.hex(), ENV_PREVIOUS: "/x"}, "path>@<ISO-8601"),
         ({ENV_SECRET: SECRET.hex(), ENV_PREVIOUS: "/x@tomorrow"}, "ISO-8601 UTC"),
         ({ENV_SECRET: SECRET.hex(), ENV_PREVIOUS: "/x@2999-01-01T00:00:00+02:00"}, "ISO-8601 UTC"),
@@ -497,9 +519,7 @@ def test_from_env_refuses_unusable_settings(env: dict[str, str], message: str) -
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o666, 0o660])
-def test_a_secret_file_others_can_read_is_refused_naming_the_fix(
-    tmp_path: Path, mode: int
-) -> None:
+def test_a_secret_file_others_can_read_is_refused_naming_the_fix(tmp_path: Path, mode: int) -> None:
     key_file = write_secret(tmp_path / "entry.key", SECRET.hex(), mode)
     with pytest.raises(ValueError, match=f"chmod 600 {key_file}"):
         EntryKeyring.from_env({ENV_SECRET_FILE: str(key_file)})
@@ -532,7 +552,9 @@ def test_the_secret_variable_leaves_the_environment_once_read(
     assert ENV_SECRET not in os.environ  # child processes do not inherit it
     child = subprocess.run(
         [sys.executable, "-c", f"import os; print(os.environ.get({ENV_SECRET!r}))"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert child.stdout.strip() == "None"
     assert MemoryCache(1024).keyring == RING  # later caches of this process still have it
@@ -670,8 +692,16 @@ def test_the_secret_never_shows(
     ring = EntryKeyring.from_secrets(secret, (OLD_SECRET, LATER))
     cache = MemoryCache(1 << 20, keyring=ring)
     tiered = TieredCache(cache, MemoryCache(1 << 20, keyring=ring))
-    seen += [repr(ring), str(ring), repr(ring.current), repr(cache), repr(tiered),
-             repr(attrs.asdict(ring)), repr(cache.stats()), repr(tiered.stats())]
+    seen += [
+        repr(ring),
+        str(ring),
+        repr(ring.current),
+        repr(cache),
+        repr(tiered),
+        repr(attrs.asdict(ring)),
+        repr(cache.stats()),
+        repr(tiered.stats()),
+    ]
     tiered.insert_batch([KEY], [sample((3,))])
     entry = encode_entry(TEXT, sample((3,)), keyring=ring)
     broken = refresh_checksum(bytearray(entry))

@@ -83,7 +83,10 @@ def test_a_metered_cache_is_the_cache_it_wraps_plus_timing() -> None:
     assert sample(registry, "mmkey_cache_bytes_held", cache="l1") == 2 * SIZE
     assert sample(registry, "mmkey_cache_entries", cache="l1") == 2
     for operation, calls, keys in (
-        ("insert_batch", 1, 3), ("get_embeddings", 1, 3), ("batch_is_exist", 1, 2), ("prefetch", 1, 1),
+        ("insert_batch", 1, 3),
+        ("get_embeddings", 1, 3),
+        ("batch_is_exist", 1, 2),
+        ("prefetch", 1, 1),
     ):
         labels = {"cache": "l1", "operation": operation}
         assert sample(registry, "mmkey_cache_call_seconds_count", **labels) == calls

@@ -138,8 +138,20 @@ def test_the_server_exports_cache_metrics_on_request() -> None:
     import urllib.request
 
     proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--port", "0", "--metrics-port", "0", "--dim", "32",
-         "--depth", "1", "--heads", "2"],
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--dim",
+            "32",
+            "--depth",
+            "1",
+            "--heads",
+            "2",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -55,9 +55,21 @@ def test_mypy_reports_the_unused_mark_and_the_error_marked_for_pyright_only(
     probe: Path, tmp_path: Path
 ) -> None:
     done = subprocess.run(
-        [_tool("mypy"), "--config-file", str(ROOT / "mypy.ini"), "--cache-dir", str(tmp_path / "cache"),
-         "--no-error-summary", str(probe)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False,
+        [
+            _tool("mypy"),
+            "--config-file",
+            str(ROOT / "mypy.ini"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--no-error-summary",
+            str(probe),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     reported = {
         (int(line.split(":")[1]), line.rsplit("[", 1)[-1].rstrip("]"))
@@ -76,7 +88,12 @@ def test_pyright_reports_the_unused_mark_and_ignores_mypys_comment(probe: Path, 
     (tmp_path / "pyrightconfig.json").write_text(json.dumps(config))
     done = subprocess.run(
         [_tool("pyright"), "--pythonpath", sys.executable, "--outputjson", str(probe)],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600, check=False,
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     report = json.loads(done.stdout)
     reported = {

@@ -130,9 +130,7 @@ def test_importing_plugin_and_launcher_loads_neither_mooncake_nor_hypothesis() -
         " if m in sys.modules))"
     )
     env = dict(os.environ, PYTHONPATH=str(SRC))
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
@@ -276,9 +274,7 @@ def test_stop_leaves_no_process_and_no_files(master_runs_here: None) -> None:
 
 
 @pytest.mark.mooncake
-def test_retries_when_a_port_is_taken(
-    master_runs_here: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_retries_when_a_port_is_taken(master_runs_here: None, monkeypatch: pytest.MonkeyPatch) -> None:
     real = mm._two_free_ports
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
@@ -294,9 +290,7 @@ def test_retries_when_a_port_is_taken(
 
 @pytest.mark.mooncake
 def test_failed_start_reports_log_and_cleans_up(master_runs_here: None) -> None:
-    with pytest.raises(MasterStartError) as info, running_master(
-        extra_args=["--no_such_flag_for_mmkey=1"]
-    ):
+    with pytest.raises(MasterStartError) as info, running_master(extra_args=["--no_such_flag_for_mmkey=1"]):
         pass  # pragma: no cover
     message = str(info.value)
     assert "no_such_flag_for_mmkey" in message  # the log tail names the cause
@@ -305,7 +299,5 @@ def test_failed_start_reports_log_and_cleans_up(master_runs_here: None) -> None:
 
 @pytest.mark.mooncake
 def test_timeout_stops_the_master(master_runs_here: None) -> None:
-    with pytest.raises(MasterStartError, match="not ready in time"), running_master(
-        timeout=0.0
-    ):
+    with pytest.raises(MasterStartError, match="not ready in time"), running_master(timeout=0.0):
         pass  # pragma: no cover

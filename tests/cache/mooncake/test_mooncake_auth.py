@@ -53,8 +53,14 @@ def tenant_stores(
             store = MooncakeDistributedStore()
             stores.append(store)
             rc = store.setup(
-                "127.0.0.1", "P2PHANDSHAKE", segment, 16 * MiB, "tcp", "",
-                mooncake_master_session.address, tenant_id=tenant,
+                "127.0.0.1",
+                "P2PHANDSHAKE",
+                segment,
+                16 * MiB,
+                "tcp",
+                "",
+                mooncake_master_session.address,
+                tenant_id=tenant,
             )
             assert rc == 0
         yield stores[0], stores[1]
@@ -152,7 +158,7 @@ def test_rotation_and_the_migration_window_through_the_store(
             assert during.insert_batch([key(11)], [t_new]) == [True]
             got = during.get_embeddings([key(10), key(11), key(12)])
             wanted = (t_old, t_new, t_plain)
-            assert all(t is not None and torch.equal(t, w) for t, w in zip(got, wanted))
+            assert all(t is not None and torch.equal(t, w) for t, w in zip(got, wanted, strict=True))
             assert before.get_embeddings([key(11)]) == [None]  # not yet given the new secret
             assert before.stats().forged == before.stats().unknown_key == 1
             assert during.stats().unsigned_served == 1
@@ -184,7 +190,8 @@ def test_a_forged_far_entry_never_reaches_or_displaces_the_near_tier(
 
 
 def test_mooncake_cache_keeps_the_secret_out_of_sight(
-    mooncake_master_session: MasterProcess, caplog: pytest.LogCaptureFixture,
+    mooncake_master_session: MasterProcess,
+    caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level(logging.DEBUG)
@@ -234,7 +241,8 @@ def test_tenants_do_not_isolate_keys_through_mooncake_cache(
 
 
 def test_required_without_a_secret_refuses_to_build_a_cache(
-    mooncake_master_session: MasterProcess, monkeypatch: pytest.MonkeyPatch,
+    mooncake_master_session: MasterProcess,
+    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     for name in (ENV_SECRET, "MMKEY_ENTRY_KEY_FILE", "MMKEY_ENTRY_AUTH"):
@@ -255,8 +263,10 @@ def test_required_without_a_secret_refuses_to_build_a_cache(
 
 
 def test_migrate_serves_unsigned_entries_until_its_end(
-    mooncake_master_session: MasterProcess, raw_store: MooncakeDistributedStore,
-    signed: MooncakeCache, monkeypatch: pytest.MonkeyPatch,
+    mooncake_master_session: MasterProcess,
+    raw_store: MooncakeDistributedStore,
+    signed: MooncakeCache,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """(`signed` holds the segment the entry lands in.)"""
     t = torch.randn(8)

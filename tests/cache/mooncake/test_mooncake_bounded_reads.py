@@ -59,8 +59,14 @@ def junk_under_a_key(mooncake_master_session: MasterProcess) -> Iterator[list[Em
     """A key under which another process holds a 200 MiB junk value."""
     keys = [key(1)]
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, mooncake_master_session.address, str(JUNK),
-         *(k.to_key() for k in keys)],
+        [
+            sys.executable,
+            "-c",
+            _HOLDER,
+            mooncake_master_session.address,
+            str(JUNK),
+            *(k.to_key() for k in keys),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -123,9 +129,10 @@ def test_the_read_slot_learns_only_from_entries_that_verified(
     mooncake_master_session: MasterProcess,
 ) -> None:
     cfg = local_config(mooncake_master_session, timeout=10.0)
-    with MooncakeCache(cfg, keyring=RING) as cache, raw_client(
-        local_config(mooncake_master_session, global_segment_size=0)
-    ) as stranger:
+    with (
+        MooncakeCache(cfg, keyring=RING) as cache,
+        raw_client(local_config(mooncake_master_session, global_segment_size=0)) as stranger,
+    ):
         lanes = cache._transport.lanes
         assert stranger.upsert(key(20).to_key(), b"J" * (4 * MiB)) == 0  # junk, within bounds
         assert cache.get_embeddings([key(20)]) == [None]

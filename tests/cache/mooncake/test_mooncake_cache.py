@@ -59,9 +59,22 @@ def test_is_an_embedding_cache(cache: MooncakeCache) -> None:
 
 
 DTYPES = [
-    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
-    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint16,
-    torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 ]
 
 
@@ -70,7 +83,7 @@ def test_every_dtype_round_trips(cache: MooncakeCache) -> None:
     tensors += [torch.tensor(3.5), torch.zeros(0, 4), torch.randn(6, 4).T]
     keys = [key(1000 + i) for i in range(len(tensors))]
     assert cache.insert_batch(keys, tensors) == [True] * len(tensors)
-    for got, want in zip(cache.get_embeddings(keys), tensors):
+    for got, want in zip(cache.get_embeddings(keys), tensors, strict=True):
         assert got is not None
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
@@ -106,7 +119,7 @@ def test_duplicate_keys_in_one_batch_read_the_right_data(cache: MooncakeCache) -
     cache.insert_batch(keys, tensors)
     order = [0, 0, 1, 0, 2, 2, 1]
     got = cache.get_embeddings([keys[i] for i in order])
-    for g, i in zip(got, order):
+    for g, i in zip(got, order, strict=True):
         assert g is not None and torch.equal(g, tensors[i])
 
 
@@ -175,7 +188,10 @@ cache.close()
 """
     out = subprocess.run(
         [sys.executable, "-c", script, *(k.to_key() for k in keys)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     expected = [f"{t.dtype} {tuple(t.shape)} {t.float().sum().item():.6e}" for t in tensors]
@@ -322,7 +338,7 @@ def test_concurrent_callers_queue_instead_of_missing(cache: MooncakeCache) -> No
 
     def reader() -> None:
         for _ in range(20):
-            for got, want in zip(cache.get_embeddings(keys), values):
+            for got, want in zip(cache.get_embeddings(keys), values, strict=True):
                 if got is None or not torch.equal(got, want):
                     wrong.append(1)
 
@@ -363,7 +379,7 @@ def test_tensors_reused_after_an_insert_timed_out_are_never_stored(
         for t in tensors:
             t.fill_(-1.0)  # the caller's buffers, reused
         assert wait_until(lambda: c.batch_is_exist(keys[:1]) == [True], 10)
-        for got, want in zip(c.get_embeddings(keys), originals):
+        for got, want in zip(c.get_embeddings(keys), originals, strict=True):
             assert got is None or torch.equal(got, want)
 
 
@@ -395,7 +411,7 @@ def test_entries_larger_than_the_staging_buffer_and_its_slots(
         keys = [key(14_000 + i) for i in range(32)]
         assert c.insert_batch(keys, big + small) == [True] * 32
         got = c.get_embeddings(keys)
-        for g, want in zip(got, big + small):
+        for g, want in zip(got, big + small, strict=True):
             assert g is not None and torch.equal(g, want)
         assert c.stats().errors == 0
 

@@ -86,7 +86,7 @@ def test_round_trip_through_every_path(cache: MooncakeCache, master: FakeMooncak
     assert master.calls["batch_upsert_from"] == 1  # staged and sent in one batch
     assert cache.batch_is_exist([*keys, key(3)]) == [True, True, False]
     got = cache.get_embeddings(keys)
-    assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors))
+    assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
     target = torch.zeros(4, 8)
     assert cache.read_into([keys[0]], [target]) == [True]
     assert torch.equal(target, tensors[0])
@@ -98,9 +98,7 @@ def test_round_trip_through_every_path(cache: MooncakeCache, master: FakeMooncak
     assert (stats.hits, stats.misses, stats.inserts, stats.errors) == (4, 0, 3, 0)
 
 
-def test_misses_are_counted_and_never_transferred(
-    cache: MooncakeCache, master: FakeMooncakeMaster
-) -> None:
+def test_misses_are_counted_and_never_transferred(cache: MooncakeCache, master: FakeMooncakeMaster) -> None:
     assert cache.get_embeddings([key(10), key(10)]) == [None, None]
     assert cache.read_into([key(11)], [torch.zeros(3)]) == [False]
     stats = cache.stats()
@@ -291,9 +289,7 @@ def test_the_fault_hooks_of_the_fake(master: FakeMooncakeMaster) -> None:
     assert nowhere.setup("127.0.0.1", "P2PHANDSHAKE", MiB, MiB, "tcp", "", "127.0.0.1:1") != 0
 
 
-def test_replicas_go_to_distinct_holders(
-    master: FakeMooncakeMaster, holders: tuple[Holder, Holder]
-) -> None:
+def test_replicas_go_to_distinct_holders(master: FakeMooncakeMaster, holders: tuple[Holder, Holder]) -> None:
     pytest.importorskip("mooncake.store")  # the cache's placement settings are the binding's class
     with make_cache(master, global_segment_size=0, replica_num=2) as cache:
         assert cache.insert_batch([key(120)], [torch.ones(3)]) == [True]

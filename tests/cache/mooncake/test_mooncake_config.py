@@ -17,7 +17,13 @@ def test_defaults_use_mooncake_names_and_a_p2p_handshake() -> None:
     assert config.protocol == "tcp"
     assert config.timeout < 2.0
     assert config.setup_args() == (
-        "127.0.0.1", "P2PHANDSHAKE", 512 << 20, 128 << 20, "tcp", "", "127.0.0.1:50051",
+        "127.0.0.1",
+        "P2PHANDSHAKE",
+        512 << 20,
+        128 << 20,
+        "tcp",
+        "",
+        "127.0.0.1:50051",
     )
 
 
@@ -52,12 +58,16 @@ def test_from_env_reads_mooncakes_variables() -> None:
 
 def test_from_env_reads_a_config_file_and_lets_variables_win(tmp_path: Path) -> None:
     path = tmp_path / "mooncake.json"
-    path.write_text(json.dumps({
-        "master_server_address": "127.0.0.1:7000",
-        "local_buffer_size": "64MB",
-        "protocol": "tcp",
-        "unknown_field": 1,
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "master_server_address": "127.0.0.1:7000",
+                "local_buffer_size": "64MB",
+                "protocol": "tcp",
+                "unknown_field": 1,
+            }
+        )
+    )
     config = MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(path), "MOONCAKE_PROTOCOL": "rdma"})
     assert config.master_server_address == "127.0.0.1:7000"
     assert config.local_buffer_size == 64 << 20
@@ -78,7 +88,14 @@ def test_from_env_with_an_unreadable_file_names_it(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "size"),
-    [("512MB", 512 << 20), ("1g", 1 << 30), ("3355443200", 3355443200), (" 2 KB ", 2048), ("1.5m", 3 << 19), (7, 7)],
+    [
+        ("512MB", 512 << 20),
+        ("1g", 1 << 30),
+        ("3355443200", 3355443200),
+        (" 2 KB ", 2048),
+        ("1.5m", 3 << 19),
+        (7, 7),
+    ],
 )
 def test_sizes_read_like_mooncake_reads_them(text: int | str, size: int) -> None:
     assert parse_size(text) == size

@@ -84,9 +84,7 @@ def _real_binding() -> Binding:
     return Binding("real", MooncakeDistributedStore, ReplicateConfig)
 
 
-@pytest.fixture(
-    scope="module", params=[pytest.param("real", marks=pytest.mark.mooncake), "fake"]
-)
+@pytest.fixture(scope="module", params=[pytest.param("real", marks=pytest.mark.mooncake), "fake"])
 def binding(request: pytest.FixtureRequest) -> Binding:
     """Each test runs once against the real binding and once against the fake."""
     if request.param == "real":
@@ -114,9 +112,7 @@ def fresh_master(binding: Binding, request: pytest.FixtureRequest) -> Iterator[M
         yield master
 
 
-def _setup(
-    binding: Binding, address: str, segment: int = 64 * MiB
-) -> MooncakeDistributedStore:
+def _setup(binding: Binding, address: str, segment: int = 64 * MiB) -> MooncakeDistributedStore:
     store = binding.store_class()
     rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment, 64 * MiB, "tcp", "", address)
     assert type(rc) is int
@@ -243,9 +239,7 @@ def test_replicate_config(store: MooncakeDistributedStore, binding: Binding, key
     assert store.get_batch([key, key + "-b"]) == [b"w", b"v"]
 
 
-def test_keyword_names_of_the_stub(
-    store: MooncakeDistributedStore, binding: Binding, key: str
-) -> None:
+def test_keyword_names_of_the_stub(store: MooncakeDistributedStore, binding: Binding, key: str) -> None:
     assert store.put(key=key, value=b"v", config=binding.replicate_config()) == OK
     assert store.upsert(key=key, value=b"w") == OK
     assert store.batch_is_exist(keys=[key]) == [1]
@@ -358,9 +352,7 @@ def test_setup_forms_and_close(binding: Binding, fresh_master: Master) -> None:
     assert by_keyword.close() == OK  # closing twice is fine
 
 
-def test_master_restart_loses_keys_and_client_recovers(
-    binding: Binding, fresh_master: Master
-) -> None:
+def test_master_restart_loses_keys_and_client_recovers(binding: Binding, fresh_master: Master) -> None:
     s = _setup(binding, fresh_master.address)
     try:
         assert s.put("survivor", b"v") == OK
@@ -391,8 +383,8 @@ class Arena:
     def spans(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Pointers to ``offsets``, after checking that every span lies inside the buffer."""
         assert len(offsets) == len(sizes)
-        for offset, size in zip(offsets, sizes):
-            assert 0 <= offset and 0 < size and offset + size <= len(self.buffer), (offset, size)
+        for offset, size in zip(offsets, sizes, strict=True):
+            assert offset >= 0 and size > 0 and offset + size <= len(self.buffer), (offset, size)
         return [self.base + offset for offset in offsets]
 
     def fill(self, offset: int, data: bytes) -> None:
@@ -435,9 +427,7 @@ def _scatter_read(
     offsets = _layout(sizes, start)
     end = offsets[-1] + sizes[-1] + 64
     arena.fill(start - 64, bytes([SENTINEL]) * (end - start + 64))
-    (rc,) = _int_list(
-        store.batch_get_into_multi_buffers([key], [arena.spans(offsets, sizes)], [list(sizes)])
-    )
+    (rc,) = _int_list(store.batch_get_into_multi_buffers([key], [arena.spans(offsets, sizes)], [list(sizes)]))
     return rc, offsets
 
 
@@ -467,7 +457,7 @@ def test_multi_buffer_put_stores_the_concatenation(
 def _splits() -> st.SearchStrategy[list[int]]:
     """Every way to cut ``ENTRY`` into 1 to 8 non-empty pieces."""
     cuts = st.sets(st.integers(1, len(ENTRY) - 1), max_size=7)
-    return cuts.map(lambda c: [b - a for a, b in zip([0, *sorted(c)], [*sorted(c), len(ENTRY)])])
+    return cuts.map(lambda c: [b - a for a, b in zip([0, *sorted(c)], [*sorted(c), len(ENTRY)], strict=True)])
 
 
 @given(sizes=_splits())
@@ -482,8 +472,10 @@ def test_multi_buffer_get_scatters_an_exact_split(
     assert store.upsert(key, ENTRY) == OK
     rc, offsets = _scatter_read(store, arena, key, sizes, start=64 * 1024)
     assert rc == len(ENTRY)
-    assert b"".join(arena.read(o, n) for o, n in zip(offsets, sizes)) == ENTRY
-    around = [arena.read(offsets[0] - 64, 64)] + [arena.read(o + n, 64) for o, n in zip(offsets, sizes)]
+    assert b"".join(arena.read(o, n) for o, n in zip(offsets, sizes, strict=True)) == ENTRY
+    around = [arena.read(offsets[0] - 64, 64)] + [
+        arena.read(o + n, 64) for o, n in zip(offsets, sizes, strict=True)
+    ]
     assert all(g == bytes([SENTINEL]) * 64 for g in around)  # nothing written outside the pieces
 
 
@@ -504,7 +496,7 @@ def test_multi_buffer_get_codes(store: MooncakeDistributedStore, arena: Arena, k
     assert store.put(key + "-b", ENTRY) == OK
     keys = [key, key + "-b", key + "-missing"]
     sizes = [[total - 1], [total + 1], [10]]
-    ptrs = [arena.spans([o], n) for o, n in zip([160 * 1024, 192 * 1024, 224 * 1024], sizes)]
+    ptrs = [arena.spans([o], n) for o, n in zip([160 * 1024, 192 * 1024, 224 * 1024], sizes, strict=True)]
     got = store.batch_get_into_multi_buffers(keys, ptrs, sizes)
     assert _int_list(got) == [INVALID_PARAMS, TRANSFER_FAIL, NOT_FOUND]
     sizes = [[total], [total - 1], [total]]
@@ -513,9 +505,7 @@ def test_multi_buffer_get_codes(store: MooncakeDistributedStore, arena: Arena, k
     assert arena.read(160 * 1024, total) == ENTRY
 
 
-def test_multi_buffer_put_does_not_overwrite(
-    store: MooncakeDistributedStore, arena: Arena, key: str
-) -> None:
+def test_multi_buffer_put_does_not_overwrite(store: MooncakeDistributedStore, arena: Arena, key: str) -> None:
     assert store.put(key, b"original") == OK
     arena.fill(300 * 1024, b"replacement, longer than the original")
     rc = store.batch_put_from_multi_buffers([key], [arena.spans([300 * 1024], [37])], [[37]])
@@ -545,9 +535,7 @@ def _stub_signatures() -> dict[str, list[tuple[str, str, bool]]]:
     """Each method of the stub's store class not overloaded: (name, kind, has a default) per
     parameter after ``self``."""
     tree = ast.parse(STUB.read_text())
-    (cls,) = [
-        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MooncakeDistributedStore"
-    ]
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MooncakeDistributedStore"]
     found: dict[str, list[tuple[str, str, bool]]] = {}
     for node in cls.body:
         if not isinstance(node, ast.FunctionDef) or node.decorator_list:
@@ -557,9 +545,9 @@ def _stub_signatures() -> dict[str, list[tuple[str, str, bool]]]:
         defaults = [False] * (len(positional) - len(a.defaults)) + [True] * len(a.defaults)
         params = [
             (p.arg, "POSITIONAL_ONLY" if p in a.posonlyargs else "POSITIONAL_OR_KEYWORD", d)
-            for p, d in zip(positional, defaults)
+            for p, d in zip(positional, defaults, strict=True)
         ]
-        keyword_only = zip(a.kwonlyargs, a.kw_defaults)
+        keyword_only = zip(a.kwonlyargs, a.kw_defaults, strict=True)
         params += [(p.arg, "KEYWORD_ONLY", d is not None) for p, d in keyword_only]
         found[node.name] = params[1:]
     return found

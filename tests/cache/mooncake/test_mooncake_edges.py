@@ -25,8 +25,8 @@ import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
 from mmkey.cache.mooncake._ping import master_answers
-from mmkey.cache.mooncake._transport import close_abandoned
 from mmkey.cache.mooncake._staging import MIN_SLOT, ReadSlots
+from mmkey.cache.mooncake._transport import close_abandoned
 from mmkey.testing.mooncake_master import MasterProcess
 from tests._support import local_config, timed, wait_until
 
@@ -230,7 +230,10 @@ print(f"closed {{time.monotonic() - start:.3f}}", flush=True)
 """
     child = subprocess.Popen(
         [sys.executable, "-c", script, key(6).to_key()],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
     )
     try:
@@ -303,7 +306,7 @@ def test_keyboard_interrupt_during_a_read_leaves_the_cache_usable(
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
         slow_store_delay[0] = 0.0
-        for got, want in zip(cache.get_embeddings(keys), values):
+        for got, want in zip(cache.get_embeddings(keys), values, strict=True):
             assert got is not None and torch.equal(got, want)
         assert cache.insert_batch([key(104)], [torch.ones(2)]) == [True]
         transport = cache._transport
@@ -361,9 +364,7 @@ def test_a_value_too_large_to_allocate_is_a_counted_miss(
         assert (after.oversized, after.misses) == (before.oversized + 1, before.misses + 1)
 
 
-def test_calls_racing_close_return_at_once(
-    mooncake_master: MasterProcess, ticker: Ticker
-) -> None:
+def test_calls_racing_close_return_at_once(mooncake_master: MasterProcess, ticker: Ticker) -> None:
     cache = MooncakeCache(config(mooncake_master, timeout=5.0))
     assert cache.insert_batch([key(300)], [torch.ones(4)]) == [True]
     mooncake_master.pause()
@@ -397,9 +398,12 @@ def test_a_large_read_under_a_slow_store_is_bounded_by_one_timeout(
 ) -> None:
     calls = slow_store(monkeypatch, 0.0, ("batch_get_into", "get_size", "get_into"))
     writer = MooncakeCache(config(mooncake_master_session, timeout=30.0))
-    with writer, MooncakeCache(
-        config(mooncake_master_session, local_buffer_size=1 * MiB, global_segment_size=0)
-    ) as cache:
+    with (
+        writer,
+        MooncakeCache(
+            config(mooncake_master_session, local_buffer_size=1 * MiB, global_segment_size=0)
+        ) as cache,
+    ):
         keys = [key(400 + i) for i in range(80)]  # 64 KiB each, 4 keys a transfer: 20 transfers
         assert writer.insert_batch(keys, [torch.randn(16 * 1024) for _ in keys]) == [True] * 80
         slow_store_delay[0] = 0.1  # every store call 0.1 s, under a 0.3 s timeout
@@ -414,9 +418,7 @@ def test_read_slots_adapt_down_after_one_large_entry(
     monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
 ) -> None:
     calls = slow_store(monkeypatch, 0.0, ("batch_get_into",))
-    with MooncakeCache(
-        config(mooncake_master_session, local_buffer_size=4 * MiB, timeout=30.0)
-    ) as cache:
+    with MooncakeCache(config(mooncake_master_session, local_buffer_size=4 * MiB, timeout=30.0)) as cache:
         big = key(500)
         small = [key(501 + i) for i in range(64)]
         values = [torch.randn(16 * 1024) for _ in small]  # 64 KiB each
@@ -426,7 +428,7 @@ def test_read_slots_adapt_down_after_one_large_entry(
         for _ in range(4):
             calls.clear()
             got = cache.get_embeddings(small)
-            assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values))
+            assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
             per_call.append(calls["batch_get_into"])
         # 4 MiB / 256 KiB slots = 16 keys a transfer once the slot is back down
         assert per_call[-1] == 64 // (4 * MiB // MIN_SLOT), per_call
@@ -553,7 +555,7 @@ def test_overlapping_calls_into_the_binding_are_safe(
                     wrong.append(f"insert {n}/{round_}")
                 if cache.batch_is_exist(keys) != [True] * 20:
                     wrong.append(f"exists {n}/{round_}")
-                for got, want in zip(cache.get_embeddings(keys), values):
+                for got, want in zip(cache.get_embeddings(keys), values, strict=True):
                     if got is None or not torch.equal(got, want):
                         wrong.append(f"read {n}/{round_}")
 

@@ -66,7 +66,9 @@ def write(fleet: Fleet, keys: list[EmbeddingKey], replica_num: int = 1) -> Moonc
     return writer
 
 
-def placement(fleet: Fleet, store: object, keys: list[EmbeddingKey]) -> dict[EmbeddingKey, list[HolderProcess]]:
+def placement(
+    fleet: Fleet, store: object, keys: list[EmbeddingKey]
+) -> dict[EmbeddingKey, list[HolderProcess]]:
     where = replica_endpoints(store, [k.to_key() for k in keys])
     found: dict[EmbeddingKey, list[HolderProcess]] = {}
     for k in keys:
@@ -139,9 +141,7 @@ def test_a_paused_holder_never_blinds_a_reader(mooncake_fleet: Fleet, store: obj
         writer.close()
 
 
-def test_a_killed_holder_costs_one_failure_then_answers_at_once(
-    mooncake_fleet: Fleet, store: object
-) -> None:
+def test_a_killed_holder_costs_one_failure_then_answers_at_once(mooncake_fleet: Fleet, store: object) -> None:
     keys = [key(1000 + i) for i in range(60)]
     writer = write(mooncake_fleet, keys)
     reader = reader_of(mooncake_fleet)

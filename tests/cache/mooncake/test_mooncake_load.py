@@ -54,9 +54,10 @@ def test_inserts_under_load_store_every_entry(
         mooncake_master, local_buffer_size=staging, global_segment_size=160 * MiB, timeout=TIMEOUT
     )
     checked = 0
-    with MooncakeCache(config, keyring=None) as cache, raw_client(
-        local_config(mooncake_master, global_segment_size=0)
-    ) as raw:
+    with (
+        MooncakeCache(config, keyring=None) as cache,
+        raw_client(local_config(mooncake_master, global_segment_size=0)) as raw,
+    ):
         for attempt in ("first", "again"):
             keys = keys_for(f"load-{attempt}")
             stored = cache.insert_batch(keys, tensors)  # the first right after construction
@@ -66,11 +67,10 @@ def test_inserts_under_load_store_every_entry(
             if raw_s < TIMEOUT / 2:
                 checked += 1
                 assert stored == [True] * ENTRIES, (
-                    f"{attempt} insert: {sum(stored)}/{ENTRIES} stored while the raw put "
-                    f"took {raw_s:.3f} s"
+                    f"{attempt} insert: {sum(stored)}/{ENTRIES} stored while the raw put took {raw_s:.3f} s"
                 )
                 got = cache.get_embeddings(keys)
-                assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors))
+                assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
     if not checked:
         pytest.skip("the host was too busy for the raw binding itself (put over half the timeout)")
 
@@ -101,7 +101,7 @@ def test_staging_is_registered_at_construction_not_on_first_use(
         tensors = [torch.randn(1000) for _ in keys]
         assert cache.insert_batch(keys, tensors) == [True] * len(keys)
         got = cache.get_embeddings(keys)
-        assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors))
+        assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
         assert sizes == [8 * MiB] * TRANSFER_LANES, "a call registered memory"
 
 
@@ -146,7 +146,13 @@ TENSORS = {
 @pytest.mark.parametrize("signed", [False, True], ids=["plain", "signed"])
 def test_staged_entry_is_the_encoded_entry(name: str, signed: bool) -> None:
     tensor = TENSORS[name]
-    keyring = EntryKeyring.from_secrets(bytes.fromhex("5f3a9c0e7d21b48693ce0a1f54b7d2e8c6019a3b7e4d58f21c0b96a7e3d48f15")) if signed else None
+    keyring = (
+        EntryKeyring.from_secrets(
+            bytes.fromhex("5f3a9c0e7d21b48693ce0a1f54b7d2e8c6019a3b7e4d58f21c0b96a7e3d48f15")
+        )
+        if signed
+        else None
+    )
     text = keys_for("staged")[0].to_key()
     want = encode_entry(text, tensor, keyring=keyring)
     staging = Staging(4096)

@@ -40,7 +40,9 @@ def multi_buffer_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.fixture
 def cache(mooncake_master_session: MasterProcess) -> Iterator[MooncakeCache]:
     c = MooncakeCache(
-        local_config(mooncake_master_session, trusted_network=True, global_segment_size=256 * MiB, timeout=ROOMY)
+        local_config(
+            mooncake_master_session, trusted_network=True, global_segment_size=256 * MiB, timeout=ROOMY
+        )
     )
     yield c
     c.close()
@@ -56,8 +58,10 @@ def pages(tensor: torch.Tensor, *spans: tuple[int, int]) -> list[torch.Tensor]:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     )
 
 
@@ -72,12 +76,12 @@ def test_pages_of_a_registered_pool_go_in_one_multi_buffer_put_and_read_back(
         assert c.insert_from(keys, runs) == [True, True, True]
         assert multi_buffer_puts == [3]  # straight from the pool: one put, no staging copy
         got = c.get_embeddings(keys)
-        for tensor, want in zip(got, runs):
+        for tensor, want in zip(got, runs, strict=True):
             assert tensor is not None and same(tensor, torch.cat(want))
         dst = torch.zeros(400, DIM, dtype=torch.bfloat16)
         targets = [pages(dst, (10, 36)), pages(dst, (50, 20), (90, 30)), pages(dst, (200, 41))]
         assert c.read_into(keys, targets) == [True, True, True]
-        for target, want in zip(targets, runs):
+        for target, want in zip(targets, runs, strict=True):
             assert same(torch.cat(target), torch.cat(want))
         untouched = torch.ones(400, dtype=torch.bool)
         for start, length in ((10, 36), (50, 20), (90, 30), (200, 41)):
@@ -111,7 +115,9 @@ def test_memory_registered_before_the_store_is_set_up_is_sent_from_once_it_is(
     src = pool(64)
     mooncake_master.pause()
     try:
-        c = MooncakeCache(local_config(mooncake_master, trusted_network=True, timeout=TIMEOUT, setup_timeout=0.3))
+        c = MooncakeCache(
+            local_config(mooncake_master, trusted_network=True, timeout=TIMEOUT, setup_timeout=0.3)
+        )
         assert not c.is_connected()
         c.register_memory(src)  # no store yet: recorded
     finally:
@@ -186,7 +192,10 @@ def test_a_corrupted_entry_leaves_the_targets_untouched_and_is_logged(
 def test_signed_entries_from_pages_verify_and_foreign_secrets_are_forged(
     mooncake_master_session: MasterProcess,
 ) -> None:
-    ours, theirs = EntryKeyring.from_secrets(hashlib.sha256(b"a").hexdigest()), EntryKeyring.from_secrets(hashlib.sha256(b"b").hexdigest())
+    ours, theirs = (
+        EntryKeyring.from_secrets(hashlib.sha256(b"a").hexdigest()),
+        EntryKeyring.from_secrets(hashlib.sha256(b"b").hexdigest()),
+    )
     src = pool(50, seed=5)
     cfg = local_config(mooncake_master_session, trusted_network=True, timeout=ROOMY)
     with MooncakeCache(cfg, keyring=ours) as writer, MooncakeCache(cfg, keyring=theirs) as other:

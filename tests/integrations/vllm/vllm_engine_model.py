@@ -8,8 +8,8 @@ checkpoint. Nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 import importlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,11 @@ def build_tiny_llava(
     safetensors = _untyped("safetensors.torch")
     load_file, save_file = safetensors.load_file, safetensors.save_file
     tf = _untyped("transformers")
-    CLIPImageProcessor, CLIPVisionConfig, LlamaConfig = tf.CLIPImageProcessor, tf.CLIPVisionConfig, tf.LlamaConfig
+    CLIPImageProcessor, CLIPVisionConfig, LlamaConfig = (
+        tf.CLIPImageProcessor,
+        tf.CLIPVisionConfig,
+        tf.LlamaConfig,
+    )
     LlavaConfig, LlavaForConditionalGeneration = tf.LlavaConfig, tf.LlavaForConditionalGeneration
     LlavaProcessor, PreTrainedTokenizerFast = tf.LlavaProcessor, tf.PreTrainedTokenizerFast
 
@@ -138,7 +142,7 @@ def build_tiny_llava(
     weights = out / "model.safetensors"
     state = load_file(weights)
     renamed = {
-        (f"vision_tower.vision_model.{k[len('vision_tower.'):]}" if k.startswith("vision_tower.") else k): v
+        (f"vision_tower.vision_model.{k[len('vision_tower.') :]}" if k.startswith("vision_tower.") else k): v
         for k, v in state.items()
     }
     save_file(renamed, weights, metadata={"format": "pt"})

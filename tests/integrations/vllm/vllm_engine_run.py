@@ -53,7 +53,7 @@ def generate_kept_busy(llm: Any, inputs: list[dict[str, Any]], params: list[Any]
     SamplingParams = importlib.import_module("vllm").SamplingParams
     engine = llm.llm_engine
     ids = [f"{tag}-{i}" for i in range(len(inputs))]
-    for request_id, prompt, sampling in zip(ids, inputs, params):
+    for request_id, prompt, sampling in zip(ids, inputs, params, strict=True):
         engine.add_request(request_id, prompt, sampling)
     busy = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
     keepalive = 0
@@ -127,7 +127,10 @@ def main(spec_path: str, out_path: str) -> None:
         if round_params is not None:
             transfer_params = round_params[k]
         inputs = [
-            {"prompt": p["text"], "multi_modal_data": {"image": [image(s, spec.get("image_size", 32)) for s in p["images"]]}}
+            {
+                "prompt": p["text"],
+                "multi_modal_data": {"image": [image(s, spec.get("image_size", 32)) for s in p["images"]]},
+            }
             for p in prompts
         ]
         if barrier:
@@ -192,7 +195,10 @@ def serve() -> None:
     replies = os.fdopen(os.dup(1), "w")  # vLLM logs to stdout: the replies get a copy of it
     os.dup2(2, 1)
     from vllm.distributed.ec_transfer import ensure_ec_transfer_shutdown
-    cleanup_dist_env_and_memory = importlib.import_module("vllm.distributed.parallel_state").cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory = importlib.import_module(
+        "vllm.distributed.parallel_state"
+    ).cleanup_dist_env_and_memory
 
     for line in sys.stdin:
         spec_path, out_path = line.split()
