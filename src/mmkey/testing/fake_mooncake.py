@@ -37,8 +37,8 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import attrs
 
@@ -73,6 +73,9 @@ __all__ = [
     "FakeReplicaDescriptor",
     "FakeReplicateConfig",
 ]
+
+_P = TypeVar("_P")
+_N = TypeVar("_N")
 
 OK = 0
 """Success."""
@@ -807,6 +810,23 @@ class FakeMooncakeStore(_StoreBase):
             return INVALID_PARAMS
         return self._scatter(key, [ptr], [length]) if write else length
 
+    def _per_key(
+        self,
+        method: str,
+        keys: list[str],
+        ptrs: list[_P],
+        sizes: list[_N],
+        each: Callable[[int, str, _P, _N], int],
+    ) -> list[int]:
+        """A code per key of a batch call: the master's fault for every key, `INVALID_PARAMS`
+        for every key when the lists differ in length (as the binding), else ``each``'s."""
+        master = self._call(method)
+        if isinstance(master, int):
+            return [master] * len(keys)
+        if not self._same_lengths(keys, ptrs, sizes):
+            return [INVALID_PARAMS] * len(keys)
+        return [each(i, k, p, n) for i, (k, p, n) in enumerate(zip(keys, ptrs, sizes, strict=True))]
+
     def batch_put_from(
         self,
         keys: list[str],
@@ -815,13 +835,13 @@ class FakeMooncakeStore(_StoreBase):
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """A code per key (existing keys keep their values)."""
-        master = self._call("batch_put_from")
-        if isinstance(master, int):
-            return [master] * len(keys)
-        if not self._same_lengths(keys, buffer_ptrs, sizes):
-            return [INVALID_PARAMS] * len(keys)
-        spans = zip(keys, buffer_ptrs, sizes, strict=True)
-        return [self._put_spans(k, [p], [n], config, False) for k, p, n in spans]
+        return self._per_key(
+            "batch_put_from",
+            keys,
+            buffer_ptrs,
+            sizes,
+            lambda _, k, p, n: self._put_spans(k, [p], [n], config, False),
+        )
 
     def batch_upsert_from(
         self,
@@ -831,27 +851,25 @@ class FakeMooncakeStore(_StoreBase):
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """A code per key."""
-        master = self._call("batch_upsert_from")
-        if isinstance(master, int):
-            return [master] * len(keys)
-        if not self._same_lengths(keys, buffer_ptrs, sizes):
-            return [INVALID_PARAMS] * len(keys)
-        spans = zip(keys, buffer_ptrs, sizes, strict=True)
-        return [self._put_spans(k, [p], [n], config, True) for k, p, n in spans]
+        return self._per_key(
+            "batch_upsert_from",
+            keys,
+            buffer_ptrs,
+            sizes,
+            lambda _, k, p, n: self._put_spans(k, [p], [n], config, True),
+        )
 
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         """Bytes read or a negative code per key. A key given twice is read into its last
         buffer only; its earlier buffers are left as they were, reported as read (measured)."""
-        master = self._call("batch_get_into")
-        if isinstance(master, int):
-            return [master] * len(keys)
-        if not self._same_lengths(keys, buffer_ptrs, sizes):
-            return [INVALID_PARAMS] * len(keys)
         last = {k: i for i, k in enumerate(keys)}
-        return [
-            self._read_into(k, p, n, write=last[k] == i)
-            for i, (k, p, n) in enumerate(zip(keys, buffer_ptrs, sizes, strict=True))
-        ]
+        return self._per_key(
+            "batch_get_into",
+            keys,
+            buffer_ptrs,
+            sizes,
+            lambda i, k, p, n: self._read_into(k, p, n, write=last[k] == i),
+        )
 
     def batch_put_from_multi_buffers(
         self,
@@ -861,15 +879,13 @@ class FakeMooncakeStore(_StoreBase):
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """A code per key; each value is its buffers joined (an existing key keeps its value)."""
-        master = self._call("batch_put_from_multi_buffers")
-        if isinstance(master, int):
-            return [master] * len(keys)
-        if not self._same_lengths(keys, all_buffer_ptrs, all_sizes):
-            return [INVALID_PARAMS] * len(keys)
-        return [
-            self._put_spans(k, p, n, config, False)
-            for k, p, n in zip(keys, all_buffer_ptrs, all_sizes, strict=True)
-        ]
+        return self._per_key(
+            "batch_put_from_multi_buffers",
+            keys,
+            all_buffer_ptrs,
+            all_sizes,
+            lambda _, k, p, n: self._put_spans(k, p, n, config, False),
+        )
 
     def batch_get_into_multi_buffers(
         self,
@@ -880,12 +896,13 @@ class FakeMooncakeStore(_StoreBase):
     ) -> list[int]:
         """Per key: its size when the sizes sum to it, `INVALID_PARAMS` if to less,
         `TRANSFER_FAIL` if to more, `NOT_FOUND`."""
-        master = self._call("batch_get_into_multi_buffers")
-        if isinstance(master, int):
-            return [master] * len(keys)
-        if not self._same_lengths(keys, all_buffer_ptrs, all_sizes):
-            return [INVALID_PARAMS] * len(keys)
-        return [self._scatter(k, p, n) for k, p, n in zip(keys, all_buffer_ptrs, all_sizes, strict=True)]
+        return self._per_key(
+            "batch_get_into_multi_buffers",
+            keys,
+            all_buffer_ptrs,
+            all_sizes,
+            lambda _, k, p, n: self._scatter(k, p, n),
+        )
 
     def __repr__(self) -> str:
         state = "not set up" if self._master is None else f"at {self._endpoint}"
