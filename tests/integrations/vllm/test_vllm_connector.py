@@ -238,6 +238,56 @@ def test_a_hung_or_dead_master_is_a_miss_within_the_deadline_and_recovers(
 
 
 @pytest.mark.mooncake
+def test_the_master_killed_between_lookup_and_load_still_loads_every_claimed_item(
+    mooncake_master: MasterProcess,
+) -> None:
+    """Once `has_cache_item` said yes, the item is in the scheduler's staged memory: the
+    master crashing before the plan is built and the worker loads (the window in which vLLM
+    would raise ``Encoder cache miss``) loses nothing, and the worker asks the store for
+    nothing. The test's own master: it is killed."""
+    store = mooncake_extra(mooncake_master)
+    cfg = vllm_config("ec_both", namespace="killed@1", mooncake=store)
+    items = [("by-content", "image", 16), ("clip-7", "audio", 6), ("mov-3", "video", 4)]
+    data = {"by-content": pixels(31)}  # one keyed by its processed inputs, two by identifier
+    saved = {"by-content": embedding(16, 31), "clip-7": embedding(6, 32), "mov-3": embedding(4, 33)}
+    with connector(cfg, "scheduler") as p_sched, connector(cfg, "worker") as p_worker:
+        meta, _ = schedule(p_sched, [request("p", items, data=data)])
+        produce(p_worker, meta, saved)
+        assert p_worker.flush_saves(10.0) and p_worker.totals()["saved"] == 3
+        keys = [meta.saves[identifier] for identifier, _, _ in items]
+
+        with connector(cfg, "scheduler") as c_sched, vllm_worker_agent(cfg) as agent:
+            req = request("c", items, data=data)
+            until_available(c_sched, req)  # the lookup: fetched, verified, staged
+            assert all(c_sched.has_cache_item(identifier) for identifier, _, _ in items)
+
+            mooncake_master.kill()  # a crash: the master and every key it indexed are gone
+            try:
+                assert not mooncake_master.is_running()
+                for index in range(len(items)):  # the rest of vLLM's step
+                    c_sched.update_state_after_alloc(req, index)
+                plan = c_sched.build_connector_meta(SchedulerOutput.make_empty())
+                assert isinstance(plan, MMKeyECMetadata)
+                assert [i.identifier for i in plan.loads] == [identifier for identifier, _, _ in items]
+                c_sched.request_finished(req)
+
+                encoder_cache: dict[str, torch.Tensor] = {}
+                output = consume(pickle.loads(pickle.dumps(plan)), encoder_cache)  # the worker's step
+                assert set(encoder_cache) == set(saved)
+                for identifier, tensor in saved.items():
+                    assert torch.equal(encoder_cache[identifier], tensor)
+                    assert encoder_cache[identifier].device.type == "cpu"  # the worker's device here
+                assert output.ec_connector_worker_meta is None  # nothing failed
+                totals = agent.totals()
+                assert totals["loaded"] == 3 and totals.get("store_errors", 0) == 0
+                assert c_sched.totals()["found"] == 3 and c_sched.totals().get("store_errors", 0) == 0
+                # what the load put in the encoder cache came from no store: the store has none now
+                assert agent.cache.get_embeddings(keys) == [None, None, None]
+            finally:
+                mooncake_master.restart()  # the connectors close against a live master
+
+
+@pytest.mark.mooncake
 def test_a_connector_made_while_the_master_is_down_starts_and_joins_it_later(
     mooncake_master: MasterProcess,
 ) -> None:

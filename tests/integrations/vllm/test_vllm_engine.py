@@ -317,14 +317,17 @@ def _stored_keys(fleet: Fleet) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def test_the_master_killed_between_lookup_and_load_leaves_outputs_equal(
+def test_the_master_killed_before_the_lookup_means_every_item_is_encoded_and_outputs_equal(
     model_dir: Path, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
+    """The master dies while the second engine is up but has not looked anything up: every
+    lookup misses, the engine encodes every image and gives the outputs of a run without the
+    connector. (The master killed between a lookup and its load: `test_vllm_connector`.)"""
     with running_fleet(holders=1, segment_size=64 << 20) as fleet:  # its own: this test kills the master
-        master_killed_between_lookup_and_load(model_dir, fleet, host, reference, tmp_path)
+        master_killed_before_the_lookup(model_dir, fleet, host, reference, tmp_path)
 
 
-def master_killed_between_lookup_and_load(
+def master_killed_before_the_lookup(
     model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
     ns = fresh_namespace("killed")
