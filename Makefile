@@ -142,8 +142,6 @@ test: $(VENV)/.dev
 	$(MAKE) --no-print-directory -j$(TEST_LANES) -O test-vllm-wheel test-vllm-engine test-sglang
 	$(MAKE) --no-print-directory pytest-serial
 
-stack-envs: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready $(SGLANG_VENV)/.ready
-
 # each lane runs its steps one after another (a line each), sharing make's job slots
 static-checks: $(VENV)/.dev
 	$(MAKE) --no-print-directory lint
@@ -166,6 +164,9 @@ $(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scr
 	sh scripts/install-system-deps.sh
 	SGLANG_PYTHON=$(SGLANG_PYTHON) sh scripts/sglang-env.sh $(SGLANG_VENV)
 	touch $@
+
+# the three stack environments (defined above), built beside the other lanes
+stack-envs: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready $(SGLANG_VENV)/.ready
 
 test-sglang: $(SGLANG_VENV)/.ready
 	PYTHON=$(SGLANG_VENV)/bin/python bash stubs/run_sglang_stubtest.sh
