@@ -98,6 +98,7 @@ class EngineHost:
 
     def __init__(self, workdir: Path) -> None:
         self.log_path = workdir / "host.log"
+        self.log_path.touch()  # run() reads where each engine's lines start
         self._proc: subprocess.Popen[str] | None = None
 
     def _process(self) -> subprocess.Popen[str]:
