@@ -2,7 +2,7 @@
 #   make demo   - install into .venv and run the main job (`mmkey demo`, in-memory cache)
 #   make test   - install the dev tools and the Mooncake store, then run every check
 # and one for the edit-test loop:
-#   make check  - types and the tests that need no master and no stack environment (< 60 s)
+#   make check  - lint, types and the tests that need no master and no stack environment (< 60 s)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -86,7 +86,7 @@ pytest-quick: $(VENV)/.dev
 	    -m "not mooncake and not slow and not serial"
 
 check: $(VENV)/.dev
-	$(MAKE) --no-print-directory -j3 -O typecheck pytest-quick
+	$(MAKE) --no-print-directory -j3 -O lint lint-imports typecheck pytest-quick
 
 # the documentation site, warnings as errors (nitpicky: every cross-reference resolves)
 docs: $(VENV)/.dev
