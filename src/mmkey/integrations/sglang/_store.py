@@ -278,6 +278,8 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             single = _one_key_each(self._lookups, hashes)
         if single is not None:  # every hash remembered with one key: no per-hash step
             answers = self._cache.batch_is_exist(single) if single else []
+            if len(answers) != len(single):  # whose answer is whose is unknown: trust none
+                raise ValueError(f"the cache answered {len(answers)} of {len(single)} lookups")
             self._recent.note(hashes, answers)
             return answers
         keys: list[EmbeddingKey] = []
