@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.embedding_cache_controller import (  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore, EmbeddingStoreFactory  # noqa: E402
 from sglang.srt.multimodal.modality import Modality as SGLangModality  # noqa: E402
 
-from mmkey import EmbeddingKey, Modality, MooncakeConfig  # noqa: E402
+from mmkey import Modality, MooncakeConfig  # noqa: E402
 from mmkey.integrations.sglang import MMKeyEmbeddingStore  # noqa: E402
 from mmkey.integrations.sglang._recent import RecentlyPresent  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
@@ -364,13 +364,13 @@ def test_lookups_ask_one_key_for_a_hash_whose_pool_is_known(
 def count_store_lookups(store: MMKeyEmbeddingStore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of keys of each lookup the store's cache sends to the master."""
     asked: list[int] = []
-    real = store.cache.batch_is_exist
+    real = store.cache._exist_texts
 
-    def counted(keys: list[EmbeddingKey]) -> list[bool]:
-        asked.append(len(keys))
-        return real(keys)
+    def counted(texts: list[str]) -> list[bool]:
+        asked.append(len(texts))
+        return real(texts)
 
-    monkeypatch.setattr(store.cache, "batch_is_exist", counted)
+    monkeypatch.setattr(store.cache, "_exist_texts", counted)
     return asked
 
 
@@ -453,9 +453,9 @@ def test_answers_for_another_number_of_keys_are_misses_for_every_hash(
     assert store.batch_put_from_multi_buffers(["73"], ptrs, sizes) == [True]
     store._recent.clear()  # every lookup below asks the cache
     errors = store.stats().errors
-    real = store.cache.batch_is_exist
+    real = store.cache._exist_texts
     # one answer short: which hash each answer belongs to is unknown, so none is trusted
-    monkeypatch.setattr(store.cache, "batch_is_exist", lambda keys: real(keys)[:-1])
+    monkeypatch.setattr(store.cache, "_exist_texts", lambda texts: real(texts)[:-1])
     assert store.batch_is_exist(["73", "74"]) == [False, False]
     assert store.batch_is_exist(["73"]) == [False]  # a hash whose one key is known
     monkeypatch.setattr(store.cache, "read_into", lambda keys, targets: [True] * (len(keys) + 1))

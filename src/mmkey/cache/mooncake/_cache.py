@@ -153,7 +153,12 @@ class MooncakeCache:
 
     def batch_is_exist(self, keys: Sequence[CacheKey]) -> list[bool]:
         """Whether each key is held by the store; `False` when the store is unreachable."""
-        texts = self._texts(keys, "batch_is_exist")
+        return self._exist_texts(self._texts(keys, "batch_is_exist"))
+
+    def _exist_texts(self, texts: list[str]) -> list[bool]:
+        """`batch_is_exist` of key texts that came from `CacheKey.to_key` (for callers that
+        remember their keys' texts, as the SGLang store does)."""
+        self._check_open()
         if not texts:
             return []
         codes = self._transport.meta(lambda store: store.batch_is_exist(texts), self._give_up())

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from itertools import chain
 from typing import TYPE_CHECKING, TypeVar, cast
 
 import attrs
@@ -97,6 +96,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._pools = PoolTable()
         self._known: dict[str, Modality] = {}  # hash text -> modality of its pool, last few
         self._lookups: dict[str, tuple[EmbeddingKey, ...]] = {}  # hash text -> keys a lookup asks
+        self._single: dict[str, str] = {}  # hash text -> key text, where a lookup asks one key
         self._memo_lock = threading.Lock()
         self._recent = RecentlyPresent(_REMEMBER_YES_S, _KNOWN_HASHES)
         self._counts = Counters()
@@ -130,8 +130,9 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         """Record an embedding pool (its modality follows ``REGISTRATION_ORDER``) and register
         its memory with the store, so puts send entries straight from its pages."""
         self._pools.register(tensor)
-        with self._memo_lock:
-            self._lookups.clear()  # a new pool: lookups of unknown hashes ask its key too
+        with self._memo_lock:  # a new pool: lookups of unknown hashes ask its key too
+            self._lookups.clear()
+            self._single.clear()
         if self._cache is not None:
             self._cache.register_memory(tensor)
 
@@ -143,6 +144,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._pools.register(tensor, modality)
         with self._memo_lock:
             self._lookups.clear()
+            self._single.clear()
         if self._cache is not None:
             self._cache.register_memory(tensor)
 
@@ -252,6 +254,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             if self._known.get(text) is not modality:
                 _bounded_set(self._known, text, modality)
                 self._lookups.pop(text, None)
+                self._single.pop(text, None)
 
     def _lookup_keys(self, index: int, text: str) -> tuple[EmbeddingKey, ...]:
         """The keys a lookup of `text` asks (its pool's, or every pool's); remembered."""
@@ -270,14 +273,16 @@ class MMKeyEmbeddingStore(EmbeddingStore):
                 return ()
             keys.append(key)
         _bounded_set(self._lookups, text, tuple(keys))
+        if len(keys) == 1:
+            _bounded_set(self._single, text, keys[0].to_key())
         return tuple(keys)
 
     def _exist(self, hashes: list[str]) -> list[bool]:
         assert self._cache is not None
         with self._memo_lock:
-            single = _one_key_each(self._lookups, hashes)
+            single = _one_text_each(self._single, hashes)
         if single is not None:  # every hash remembered with one key: no per-hash step
-            answers = self._cache.batch_is_exist(single) if single else []
+            answers = self._cache._exist_texts(single) if single else []
             if len(answers) != len(single):  # whose answer is whose is unknown: trust none
                 raise ValueError(f"the cache answered {len(answers)} of {len(single)} lookups")
             self._recent.note(hashes, answers)
@@ -290,7 +295,8 @@ class MMKeyEmbeddingStore(EmbeddingStore):
                 keys.extend(group)
                 owners.extend([i] * len(group))
         result = [False] * len(hashes)
-        for owner, found in zip(owners, self._cache.batch_is_exist(keys) if keys else [], strict=True):
+        answers = self._cache._exist_texts([key.to_key() for key in keys]) if keys else []
+        for owner, found in zip(owners, answers, strict=True):
             result[owner] = result[owner] or found
         self._recent.note(hashes, result)
         return result
@@ -366,23 +372,14 @@ _REMEMBER_YES_S = 1.0
 """How long `batch_is_exist` answers a hash yes from memory after the store last did."""
 
 
-def _one_key_each(
-    lookups: dict[str, tuple[EmbeddingKey, ...]], hashes: list[str]
-) -> list[EmbeddingKey] | None:
-    """The one remembered lookup key of each hash, in order, when every hash has exactly
-    one remembered (C-level loops only); ``None`` otherwise (the caller goes hash by hash)."""
+def _one_text_each(single: dict[str, str], hashes: list[str]) -> list[str] | None:
+    """The one remembered lookup key text of each hash, in order, when every hash has one
+    (C-level loops only); ``None`` otherwise (the caller goes hash by hash)."""
     try:
-        groups = list(map(lookups.get, hashes))
+        texts = list(map(single.get, hashes))
     except TypeError:  # an unhashable item: the per-hash path refuses it
         return None
-    if not groups:
-        return []
-    if None in groups:
-        return None
-    remembered = cast("list[tuple[EmbeddingKey, ...]]", groups)
-    if set(map(len, remembered)) != {1}:
-        return None
-    return list(chain.from_iterable(remembered))
+    return None if None in texts else cast("list[str]", texts)
 
 
 def _bounded_set(memo: dict[str, _V], text: str, value: _V) -> None:
