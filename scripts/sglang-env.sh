@@ -16,8 +16,12 @@ if [ -z "$links" ]; then
 fi
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/pip" install -q --no-cache-dir uv==0.13.9
-uv="$venv/bin/uv"
+# uv: the Makefile's ($UV), else one installed into the environment
+uv=${UV:-}
+if [ -z "$uv" ]; then
+    "$venv/bin/pip" install -q --no-cache-dir uv==0.13.9
+    uv="$venv/bin/uv"
+fi
 # shellcheck disable=SC2086  # $links is a list of options
 "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps --no-index $links \
     -r scripts/sglang-requirements-disk.txt

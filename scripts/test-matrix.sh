@@ -68,13 +68,18 @@ for version in $VERSIONS; do
     if [ ! -e "$stamp" ]; then
         rm -rf "$venv"
         "$python" -m venv "$venv"
-        torch_free_requirements | xargs "$venv/bin/python" -m pip install -q --disable-pip-version-check
+        if [ -x "$DEV_BIN/uv" ]; then
+            torch_free_requirements | xargs "$DEV_BIN/uv" pip install -q --python "$venv/bin/python"
+        else
+            torch_free_requirements | xargs "$venv/bin/python" -m pip install -q --disable-pip-version-check
+        fi
         touch "$stamp"
     fi
     echo "== Python $version ($python): torch-free tests, torch not installed"
     "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \
         || { echo "torch is installed in $venv: these runs must go without it"; exit 1; }
-    PYTHONPATH="$PWD/src" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    # hypothesis's `quick` profile: these runs check the interpreter; the main run explores
+    PYTHONPATH="$PWD/src" HYPOTHESIS_PROFILE=quick "$venv/bin/python" -m pytest -q -p no:cacheprovider \
         -m "not torch" "${TORCH_FREE_TESTS[@]}"
     echo "== Python $version: done in $((SECONDS - start)) s"
 done

@@ -12,10 +12,20 @@ python=${VLLM_ENGINE_PYTHON:-python3.11}
 torch_pin=${TORCH_PIN:-torch==2.13.0}
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/pip" install -q --no-cache-dir uv==0.13.9
-uv="$venv/bin/uv"
-# pip, not uv: pip's configuration points at the folder that holds the CPU build
-"$venv/bin/pip" install -q --no-cache-dir "$torch_pin"
+# uv: the Makefile's ($UV), else one installed into the environment
+uv=${UV:-}
+if [ -z "$uv" ]; then
+    "$venv/bin/pip" install -q --no-cache-dir uv==0.13.9
+    uv="$venv/bin/uv"
+fi
+# the CPU build of torch lies in a local wheel folder ($TORCH_FROM: --find-links options); uv
+# looks only where it is told, and pip's configuration points there when none is named
+if [ -n "${TORCH_FROM:-}" ]; then
+    # shellcheck disable=SC2086  # several options, split on purpose
+    "$uv" pip install -q --no-cache --python "$venv/bin/python" $TORCH_FROM "$torch_pin"
+else
+    "$venv/bin/pip" install -q --no-cache-dir "$torch_pin"
+fi
 "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps -r scripts/vllm-engine-requirements.txt
 "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps -e .
 meta=$("$venv/bin/python" -c 'import importlib.util as u; print(u.find_spec("torchvision").submodule_search_locations[0])')/_meta_registrations.py
