@@ -18,7 +18,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine test-vllm-engine-connector test-vllm-engine-runs test-sglang-store test-sglang-plugin stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
+.PHONY: demo test test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
 
 # Every environment is installed by uv (pinned; about ten times faster than pip at unpacking
 # torch). uv looks only where it is told: the local wheel folders that hold torch's CPU build
@@ -135,15 +135,9 @@ test-vllm: test-vllm-wheel test-vllm-engine
 test-vllm-wheel: $(VLLM_VENV)/.ready
 	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
 
-# two pytest processes, so that `make test` can run them side by side
-test-vllm-engine: test-vllm-engine-connector test-vllm-engine-runs
-
-test-vllm-engine-connector: $(VLLM_ENGINE_VENV)/.ready
-	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
-
-test-vllm-engine-runs: $(VLLM_ENGINE_VENV)/.ready
+test-vllm-engine: $(VLLM_ENGINE_VENV)/.ready
 	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
-	    tests/integrations/vllm/test_vllm_engine.py
+	    $(VLLM_TESTS) tests/integrations/vllm/test_vllm_engine.py
 
 # Every check, in two lanes that run side by side once the dev environment is built (it
 # installs the system packages once), each lane printing a target's output when it ends. The
@@ -156,7 +150,7 @@ test-vllm-engine-runs: $(VLLM_ENGINE_VENV)/.ready
 #   timing-sensitive tests run as on a quiet host (crowded at the same priority, a
 #   paused-holder fleet test lost its healthy holder's entries).
 # TEST_LANES=1 runs everything one after another.
-TEST_LANES ?= 8
+TEST_LANES ?= 6
 BACKGROUND_NICE ?= 15
 # every lane with CI's hypothesis profile (derandomized: the same verdict on every run)
 test: export HYPOTHESIS_PROFILE ?= ci
@@ -168,8 +162,7 @@ test-foreground: $(VENV)/.dev
 	$(MAKE) --no-print-directory pytest-serial
 
 test-background: $(VENV)/.dev
-	nice -n $(BACKGROUND_NICE) $(MAKE) --no-print-directory -O static-checks test-vllm-wheel \
-	    test-vllm-engine-connector test-vllm-engine-runs test-sglang-store test-sglang-plugin
+	nice -n $(BACKGROUND_NICE) $(MAKE) --no-print-directory -O static-checks test-vllm-wheel test-vllm-engine test-sglang
 
 # each lane runs its steps one after another (a line each), sharing make's job slots
 static-checks: $(VENV)/.dev
@@ -186,10 +179,8 @@ static-checks: $(VENV)/.dev
 # (scripts/sglang-env.sh).
 SGLANG_PYTHON ?= python3.11
 SGLANG_VENV := .venv-sglang
-SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test_sglang_keys.py \
+SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test_sglang_plugin.py test_sglang_keys.py \
     test_sglang_pools.py test_sglang_settings.py test_sglang_lookup.py)
-SGLANG_PLUGIN_TESTS := tests/integrations/sglang/test_sglang_plugin.py
-SGLANG_ENV := MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR
 
 $(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh
@@ -199,15 +190,10 @@ $(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scr
 # the three stack environments (defined above), built beside the other lanes
 stack-envs: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready $(SGLANG_VENV)/.ready
 
-# the store's tests and the plugin's (SGLang launcher processes): two pytest processes
-test-sglang: test-sglang-store test-sglang-plugin
-
-test-sglang-store: $(SGLANG_VENV)/.ready
+test-sglang: $(SGLANG_VENV)/.ready
 	PYTHON=$(SGLANG_VENV)/bin/python bash stubs/run_sglang_stubtest.sh
-	$(SGLANG_ENV) $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider $(SGLANG_TESTS)
-
-test-sglang-plugin: $(SGLANG_VENV)/.ready
-	$(SGLANG_ENV) $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider $(SGLANG_PLUGIN_TESTS)
+	MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
+	    $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider $(SGLANG_TESTS)
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/bench_hash.py
