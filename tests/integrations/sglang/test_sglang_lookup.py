@@ -17,25 +17,34 @@ KEY_TEXTS = [
 TEXTS = ["1", "2", "3", "x"]
 
 
-def per_hash(single: dict[str, str], hashes: list[str]) -> list[str] | None:
+Memo = dict[str, str | tuple[str, ...]]
+"""Hash text -> the key text a lookup asks, or a tuple of them (one per pool)."""
+
+
+def per_hash(lookups: Memo, hashes: list[str]) -> list[str] | None:
     found: list[str] = []
     for text in hashes:
-        key = single.get(text)
-        if key is None:
+        remembered = lookups.get(text)
+        if not isinstance(remembered, str):
             return None
-        found.append(key)
+        found.append(remembered)
     return found
 
 
 @given(
-    st.dictionaries(st.sampled_from(TEXTS), st.sampled_from(KEY_TEXTS)),
+    st.dictionaries(
+        st.sampled_from(TEXTS),
+        st.sampled_from(KEY_TEXTS) | st.lists(st.sampled_from(KEY_TEXTS), max_size=3).map(tuple),
+    ),
     st.lists(st.sampled_from(TEXTS), max_size=8),
 )
 @example({"1": KEY_TEXTS[0]}, ["1", "1"])
 @example({"1": KEY_TEXTS[0]}, ["1", "2"])
+@example({"1": (KEY_TEXTS[0],)}, ["1"])  # a tuple, even of one, goes hash by hash
+@example({"1": (KEY_TEXTS[0], KEY_TEXTS[1])}, ["1"])
 @example({}, [])
-def test_one_text_each_matches_the_per_hash_reference(single: dict[str, str], hashes: list[str]) -> None:
-    assert _one_text_each(single, hashes) == per_hash(single, hashes)
+def test_one_text_each_matches_the_per_hash_reference(lookups: Memo, hashes: list[str]) -> None:
+    assert _one_text_each(lookups, hashes) == per_hash(lookups, hashes)
 
 
 def test_one_text_each_leaves_unhashable_items_to_the_per_hash_path() -> None:

@@ -95,8 +95,8 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._cache: MooncakeCache | None = MooncakeCache(config) if self._io else None
         self._pools = PoolTable()
         self._known: dict[str, Modality] = {}  # hash text -> modality of its pool, last few
-        self._lookups: dict[str, tuple[EmbeddingKey, ...]] = {}  # hash text -> keys a lookup asks
-        self._single: dict[str, str] = {}  # hash text -> key text, where a lookup asks one key
+        # hash text -> the key text a lookup asks (a tuple where it asks one key per pool)
+        self._lookups: dict[str, str | tuple[str, ...]] = {}
         self._memo_lock = threading.Lock()
         self._recent = RecentlyPresent(_REMEMBER_YES_S, _KNOWN_HASHES)
         self._counts = Counters()
@@ -132,7 +132,6 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._pools.register(tensor)
         with self._memo_lock:  # a new pool: lookups of unknown hashes ask its key too
             self._lookups.clear()
-            self._single.clear()
         if self._cache is not None:
             self._cache.register_memory(tensor)
 
@@ -144,7 +143,6 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._pools.register(tensor, modality)
         with self._memo_lock:
             self._lookups.clear()
-            self._single.clear()
         if self._cache is not None:
             self._cache.register_memory(tensor)
 
@@ -254,48 +252,45 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             if self._known.get(text) is not modality:
                 _bounded_set(self._known, text, modality)
                 self._lookups.pop(text, None)
-                self._single.pop(text, None)
 
-    def _lookup_keys(self, index: int, text: str) -> tuple[EmbeddingKey, ...]:
-        """The keys a lookup of `text` asks (its pool's, or every pool's); remembered."""
+    def _lookup_texts(self, index: int, text: str) -> tuple[str, ...]:
+        """The key texts a lookup of `text` asks (its pool's, or every pool's); remembered."""
         value: object = text
         if not isinstance(value, str):
             self._parse(index, text, REGISTRATION_ORDER[0])  # refused: counted and logged
             return ()
         found = self._lookups.get(text)
         if found is not None:
-            return found
+            return (found,) if isinstance(found, str) else found
         known = self._known.get(text)
-        keys: list[EmbeddingKey] = []
+        texts: list[str] = []
         for modality in self._pools.modalities() if known is None else (known,):
             key = self._parse(index, text, modality)
             if key is None:
                 return ()
-            keys.append(key)
-        _bounded_set(self._lookups, text, tuple(keys))
-        if len(keys) == 1:
-            _bounded_set(self._single, text, keys[0].to_key())
-        return tuple(keys)
+            texts.append(key.to_key())
+        _bounded_set(self._lookups, text, texts[0] if len(texts) == 1 else tuple(texts))
+        return tuple(texts)
 
     def _exist(self, hashes: list[str]) -> list[bool]:
         assert self._cache is not None
         with self._memo_lock:
-            single = _one_text_each(self._single, hashes)
+            single = _one_text_each(self._lookups, hashes)
         if single is not None:  # every hash remembered with one key: no per-hash step
             answers = self._cache._exist_texts(single) if single else []
             if len(answers) != len(single):  # whose answer is whose is unknown: trust none
                 raise ValueError(f"the cache answered {len(answers)} of {len(single)} lookups")
             self._recent.note(hashes, answers)
             return answers
-        keys: list[EmbeddingKey] = []
+        texts: list[str] = []
         owners: list[int] = []
         with self._memo_lock:
             for i, text in enumerate(hashes):
-                group = self._lookup_keys(i, text)
-                keys.extend(group)
+                group = self._lookup_texts(i, text)
+                texts.extend(group)
                 owners.extend([i] * len(group))
         result = [False] * len(hashes)
-        answers = self._cache._exist_texts([key.to_key() for key in keys]) if keys else []
+        answers = self._cache._exist_texts(texts) if texts else []
         for owner, found in zip(owners, answers, strict=True):
             result[owner] = result[owner] or found
         self._recent.note(hashes, result)
@@ -372,14 +367,14 @@ _REMEMBER_YES_S = 1.0
 """How long `batch_is_exist` answers a hash yes from memory after the store last did."""
 
 
-def _one_text_each(single: dict[str, str], hashes: list[str]) -> list[str] | None:
+def _one_text_each(lookups: dict[str, str | tuple[str, ...]], hashes: list[str]) -> list[str] | None:
     """The one remembered lookup key text of each hash, in order, when every hash has one
     (C-level loops only); ``None`` otherwise (the caller goes hash by hash)."""
     try:
-        texts = list(map(single.get, hashes))
+        found = list(map(lookups.get, hashes))
     except TypeError:  # an unhashable item: the per-hash path refuses it
         return None
-    return None if None in texts else cast("list[str]", texts)
+    return cast("list[str]", found) if set(map(type, found)) <= {str} else None
 
 
 def _bounded_set(memo: dict[str, _V], text: str, value: _V) -> None:
