@@ -404,8 +404,10 @@ def test_entries_larger_than_the_staging_buffer_and_its_slots(
     mooncake_master_session: MasterProcess,
 ) -> None:
     # a 4 MiB staging buffer: 8 MiB entries bypass it on write, and in a batch read of
-    # many keys each slot is smaller than the large entries, which are then read alone
-    with MooncakeCache(config(mooncake_master_session, local_buffer_size=4 * MiB)) as c:
+    # many keys each slot is smaller than the large entries, which are then read alone; a
+    # generous timeout: this test is about sizes (16 MiB missed 0.3 s on a crowded host)
+    cfg = config(mooncake_master_session, local_buffer_size=4 * MiB, timeout=5.0)
+    with MooncakeCache(cfg) as c:
         big = [torch.randn(2 * MiB) for _ in range(2)]  # 8 MiB each
         small = [torch.randn(64, 64) for _ in range(30)]
         keys = [key(14_000 + i) for i in range(32)]
