@@ -25,7 +25,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang bench bench-vllm bench-sglang clean
+.PHONY: demo test test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang test-sglang-stubtest test-sglang-pytest bench bench-vllm bench-sglang clean
 
 # Every environment is installed by uv (pinned; about ten times faster than pip at unpacking
 # torch). uv looks only where it is told: the local wheel folders that hold torch's CPU build
@@ -147,25 +147,29 @@ $(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requi
 test-vllm: test-vllm-wheel test-vllm-engine
 
 test-vllm-wheel: $(VLLM_VENV)/.ready
-	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
+	$(FILLER) env $(VLLM_ENV) $(VLLM_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
 
 test-vllm-engine: $(VLLM_ENGINE_VENV)/.ready
 	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
 	    $(VLLM_TESTS) tests/integrations/vllm/test_vllm_engine.py
 
-# Every check, in two lanes that run side by side once the dev environment is built (it
-# installs the system packages once), each lane printing a target's output when it ends. The
-# machine is CPU-bound (about 12.5 min of CPU on 2 cores), so every lane has work queued:
-# - the foreground lane, at normal priority: the pytest suite on four workers (it mostly
-#   waits on masters, holders and timeouts), then the `serial` tests (a whole host's load,
-#   holders paused and killed);
-# - the background lane, niced: the static checks, and the three stack environments each
-#   followed by its stack's tests. It takes the CPU the foreground leaves, so the
-#   timing-sensitive tests run as on a quiet host (crowded at the same priority, a
-#   paused-holder fleet test lost its healthy holder's entries).
+# Every check, side by side once the dev environment is built (it installs the system
+# packages once), each step printing its output when it ends. The machine is CPU-bound
+# (about 11 min of CPU on 2 cores), so CPU priority decides what waits:
+# - the foreground, at normal priority: the pytest suite on four workers (it mostly waits
+#   on masters, holders and timeouts), then the `serial` tests (a whole host's load, holders
+#   paused and killed): they run as on a quiet host (crowded at the same priority, a
+#   paused-holder fleet test lost its healthy holder's entries);
+# - the two long chains, niced: vLLM 0.32's and SGLang's environments, each followed by its
+#   stack's tests (a few minutes of one test after another). They start early so that
+#   they do not end last;
+# - the fillers, niced the most: the static checks, the 3.10/3.13 matrix, vLLM 0.33's tests
+#   and SGLang's stubtest, short steps side by side that take what the others leave.
 # TEST_LANES=1 runs everything one after another.
-TEST_LANES ?= 6
-BACKGROUND_NICE ?= 15
+TEST_LANES ?= 10
+CHAIN_NICE ?= 10
+# what a filler's command starts with; `make test` makes fillers 9 steps nicer than the chains
+FILLER ?=
 # every lane with CI's hypothesis profile (derandomized: the same verdict on every run)
 test: export HYPOTHESIS_PROFILE ?= ci
 test: $(VENV)/.dev
@@ -176,17 +180,11 @@ test-foreground: $(VENV)/.dev
 	$(MAKE) --no-print-directory pytest-serial
 
 test-background: $(VENV)/.dev
-	nice -n $(BACKGROUND_NICE) $(MAKE) --no-print-directory -O static-checks test-vllm-wheel test-vllm-engine test-sglang
+	nice -n $(CHAIN_NICE) $(MAKE) --no-print-directory -O FILLER="nice -n 9" \
+	    test-vllm-engine test-sglang-pytest test-sglang-stubtest static-checks test-vllm-wheel
 
-# each lane runs its steps one after another (a line each), sharing make's job slots
 static-checks: $(VENV)/.dev
-	$(MAKE) --no-print-directory lint
-	$(MAKE) --no-print-directory lint-imports
-	$(MAKE) --no-print-directory typecheck
-	$(MAKE) --no-print-directory verifytypes
-	$(MAKE) --no-print-directory stubtest
-	$(MAKE) --no-print-directory docs
-	$(MAKE) --no-print-directory test-matrix
+	$(FILLER) $(MAKE) --no-print-directory -O lint lint-imports typecheck verifytypes stubtest docs test-matrix
 
 # SGLang's pins conflict with ours: its tests run in an environment of their own, every
 # package named and pinned in scripts/sglang-requirements*.txt and installed --no-deps
@@ -204,8 +202,12 @@ $(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scr
 # the three stack environments (defined above), built beside the other lanes
 stack-envs: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready $(SGLANG_VENV)/.ready
 
-test-sglang: $(SGLANG_VENV)/.ready
-	PYTHON=$(SGLANG_VENV)/bin/python bash stubs/run_sglang_stubtest.sh
+test-sglang: test-sglang-stubtest test-sglang-pytest
+
+test-sglang-stubtest: $(SGLANG_VENV)/.ready
+	PYTHON=$(SGLANG_VENV)/bin/python $(FILLER) bash stubs/run_sglang_stubtest.sh
+
+test-sglang-pytest: $(SGLANG_VENV)/.ready
 	MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
 	    $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider $(SGLANG_TESTS)
 
