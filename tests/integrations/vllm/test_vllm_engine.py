@@ -64,6 +64,16 @@ def fleet() -> Iterator[Fleet]:
         yield f
 
 
+@pytest.fixture(scope="module", autouse=True)
+def vllm_cache_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One vLLM cache for every engine here, whatever ``XDG_CACHE_HOME`` a run sets: an engine
+    finds the model class vLLM inspected for an earlier one there, where an engine with an
+    empty cache starts a Python process to inspect it again."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        yield
+
+
 def ec_config(fleet: Fleet, role: str = "ec_both", **extra: Any) -> dict[str, Any]:
     mooncake = {
         "master_server_address": fleet.master.address,
