@@ -25,7 +25,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang test-sglang-stubtest test-sglang-pytest bench bench-vllm bench-sglang clean
+.PHONY: demo test test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine test-vllm-engine-connector test-vllm-engine-runs stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang test-sglang-stubtest test-sglang-pytest bench bench-vllm bench-sglang clean
 
 # Every environment is installed by uv (pinned; about ten times faster than pip at unpacking
 # torch). uv looks only where it is told: the local wheel folders that hold torch's CPU build
@@ -149,9 +149,16 @@ test-vllm: test-vllm-wheel test-vllm-engine
 test-vllm-wheel: $(VLLM_VENV)/.ready
 	$(FILLER) env $(VLLM_ENV) $(VLLM_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
 
-test-vllm-engine: $(VLLM_ENGINE_VENV)/.ready
+# two pytest processes, side by side under -j: the connector's tests mostly wait on deadlines
+# and the engine runs on engines starting
+test-vllm-engine: test-vllm-engine-connector test-vllm-engine-runs
+
+test-vllm-engine-connector: $(VLLM_ENGINE_VENV)/.ready
+	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
+
+test-vllm-engine-runs: $(VLLM_ENGINE_VENV)/.ready
 	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
-	    $(VLLM_TESTS) tests/integrations/vllm/test_vllm_engine.py
+	    tests/integrations/vllm/test_vllm_engine.py
 
 # Every check, side by side once the dev environment is built (it installs the system
 # packages once), each step printing its output when it ends. The machine is CPU-bound
@@ -181,7 +188,8 @@ test-foreground: $(VENV)/.dev
 
 test-background: $(VENV)/.dev
 	nice -n $(CHAIN_NICE) $(MAKE) --no-print-directory -O FILLER="nice -n 9" \
-	    test-vllm-engine test-sglang-pytest test-sglang-stubtest static-checks test-vllm-wheel
+	    test-vllm-engine-runs test-sglang-pytest test-vllm-engine-connector test-sglang-stubtest static-checks \
+	    test-vllm-wheel
 
 static-checks: $(VENV)/.dev
 	$(FILLER) $(MAKE) --no-print-directory -O lint lint-imports typecheck verifytypes stubtest docs test-matrix
