@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tests._support import MiB, wait_until
 from tests.integrations.vllm.vllm_support import (
     BOUND,
+    TIMEOUT,
     connector,
     consume,
     mooncake_extra,
@@ -183,7 +184,7 @@ def test_an_entry_of_another_size_or_a_corrupt_one_is_never_claimed(
 def test_a_hung_or_dead_master_is_a_miss_within_the_deadline_and_recovers(
     mooncake_master: MasterProcess, fault: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = vllm_config("ec_both", namespace="m", mooncake=mooncake_extra(mooncake_master))
+    cfg = vllm_config("ec_both", namespace="m", mooncake=mooncake_extra(mooncake_master, timeout=TIMEOUT))
     reqs = [request("a", [("kept", "image", 4)])]
     with connector(cfg, "scheduler") as sched, connector(cfg, "worker") as worker:
         meta, _ = schedule(sched, reqs)
@@ -245,7 +246,7 @@ def test_the_master_killed_between_lookup_and_load_still_loads_every_claimed_ite
     master crashing before the plan is built and the worker loads (the window in which vLLM
     would raise ``Encoder cache miss``) loses nothing, and the worker asks the store for
     nothing. The test's own master: it is killed."""
-    store = mooncake_extra(mooncake_master)
+    store = mooncake_extra(mooncake_master, timeout=TIMEOUT)
     cfg = vllm_config("ec_both", namespace="killed@1", mooncake=store)
     items = [("by-content", "image", 16), ("clip-7", "audio", 6), ("mov-3", "video", 4)]
     data = {"by-content": pixels(31)}  # one keyed by its processed inputs, two by identifier
@@ -291,7 +292,9 @@ def test_the_master_killed_between_lookup_and_load_still_loads_every_claimed_ite
 def test_a_connector_made_while_the_master_is_down_starts_and_joins_it_later(
     mooncake_master: MasterProcess,
 ) -> None:
-    cfg = vllm_config("ec_both", namespace="m", mooncake=mooncake_extra(mooncake_master, setup_timeout=1.0))
+    cfg = vllm_config(
+        "ec_both", namespace="m", mooncake=mooncake_extra(mooncake_master, timeout=TIMEOUT, setup_timeout=1.0)
+    )
     mooncake_master.kill()
     try:
         start = time.monotonic()
