@@ -162,7 +162,7 @@ test-vllm-engine-runs: $(VLLM_ENGINE_VENV)/.ready
 
 # Every check, side by side once the dev environment is built (it installs the system
 # packages once), each step printing its output when it ends. The machine is CPU-bound
-# (about 11 min of CPU on 2 cores), so CPU priority decides what waits:
+# (10 to 14 min of CPU on 2 cores), so CPU priority decides what waits:
 # - the foreground, at normal priority: the pytest suite on four workers (it mostly waits
 #   on masters, holders and timeouts), then the `serial` tests (a whole host's load, holders
 #   paused and killed): they run as on a quiet host (crowded at the same priority, a

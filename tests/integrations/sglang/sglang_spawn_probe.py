@@ -1,10 +1,10 @@
 """A stand-in for SGLang's encode server launcher (run as a program by test_sglang_plugin.py).
 
 It does what SGLang's launcher does before its encoder starts: SGLang's plugin loader, then
-the encoder modules, then one ``spawn`` child per label given on the command line, each
+the encoder modules, then one child process per label given on the command line, each
 started with the function that the spawning module holds under that name now, as SGLang
 starts its TP ranks and DP workers (a child whose label is prefixed ``no-namespace:`` unsets
-``MMKEY_NAMESPACE`` first thing). ``spawn`` runs this file again in each child (as
+``MMKEY_NAMESPACE`` first thing). multiprocessing runs this file again in each child (as
 ``__mp_main__``) before the target is unpickled; there SGLang's entry points become `probe`,
 which reports what ``EmbeddingStoreFactory`` creates for ``mooncake`` instead of starting a
 GPU encoder. Prints one JSON object: the parent's targets and the children's reports.
@@ -40,7 +40,7 @@ PRELOAD = ["torch", "torchvision", "transformers.modeling_utils", "sympy", "netw
 """What the fork server imports once for every child; never sglang, mmkey or ``__main__``."""
 REPORT_TIMEOUT = 180.0
 NO_NAMESPACE = "no-namespace:"
-"""A label prefix: that child is started with MMKEY_NAMESPACE unset."""
+"""A label prefix: that child unsets MMKEY_NAMESPACE before anything reads it."""
 MMKEY_MODULE = "mmkey.integrations.sglang"
 
 
