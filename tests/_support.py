@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MiB",
+    "ROOMY_TIMEOUT",
     "count_multi_buffer_puts",
     "local_config",
     "raw_client",
@@ -28,6 +29,10 @@ __all__ = [
 ]
 
 MiB = 1 << 20
+ROOMY_TIMEOUT = 5.0
+"""The store deadline of a test that faults no master: only a hang may fail it (sub-second
+deadlines missed plain round trips on a crowded host). Tests of hung, dead or slow masters
+keep their module's short one."""
 
 
 def wait_until(predicate: Callable[[], object], seconds: float, *, poll: float = 0.02) -> bool:

@@ -27,7 +27,7 @@ from mmkey import (
 )
 from mmkey.entry.codec import encode_entry
 from mmkey.testing.mooncake_master import MasterProcess
-from tests._support import local_config, raw_client, timed, wait_until
+from tests._support import ROOMY_TIMEOUT, local_config, raw_client, timed, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -35,8 +35,6 @@ MiB = 1 << 20
 TIMEOUT = 0.3
 # a call may overrun its timeout by scheduling noise, never by a store hang (30 s)
 BOUND = TIMEOUT + 1.5
-# the deadline of tests that fault no master: only a hang may fail them
-ROOMY_TIMEOUT = 5.0
 
 
 def key(i: int, namespace: str = "test-model") -> EmbeddingKey:

@@ -28,7 +28,7 @@ from mmkey.cache.mooncake._ping import master_answers
 from mmkey.cache.mooncake._staging import MIN_SLOT, ReadSlots
 from mmkey.cache.mooncake._transport import close_abandoned
 from mmkey.testing.mooncake_master import MasterProcess
-from tests._support import local_config, timed, wait_until
+from tests._support import ROOMY_TIMEOUT, local_config, timed, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -44,7 +44,7 @@ def key(i: int) -> EmbeddingKey:
 
 def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
     """A short deadline, for the tests that fault a master or time a store; the others pass
-    a roomy one (30 s), so that only a hang fails them on a crowded host."""
+    `ROOMY_TIMEOUT`, so that only a hang fails them on a crowded host."""
     defaults = {"setup_timeout": 2.0, "retry_after": 0.1, "timeout": TIMEOUT}
     return local_config(master, **{**defaults, **overrides})
 
@@ -333,7 +333,7 @@ def test_a_foreign_fault_on_the_worker_is_a_counted_miss(
             return 1 << 50 if key.endswith("0" * 31 + "7") and fail[0] else super().get_size(key)
 
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", FailingStore)
-    with MooncakeCache(config(mooncake_master_session, retry_after=5.0, timeout=30.0)) as cache:
+    with MooncakeCache(config(mooncake_master_session, retry_after=5.0, timeout=ROOMY_TIMEOUT)) as cache:
         assert cache.insert_batch([key(200)], [torch.ones(5)]) == [True]
         before = cache.stats()
         assert cache.get_embeddings([key(200)]) == [None]
@@ -358,7 +358,7 @@ def test_a_value_too_large_to_allocate_is_a_counted_miss(
             return 1 << 50  # a petabyte: the allocation fails
 
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", HugeSize)
-    with MooncakeCache(config(mooncake_master_session, timeout=30.0)) as cache:
+    with MooncakeCache(config(mooncake_master_session, timeout=ROOMY_TIMEOUT)) as cache:
         assert cache.insert_batch([key(201)], [torch.ones(5)]) == [True]
         before = cache.stats()
         assert cache.get_embeddings([key(201)]) == [None]
@@ -462,7 +462,7 @@ def test_read_slots_grow_at_once_and_halve_towards_smaller_entries() -> None:
 
 
 def test_a_key_read_twice_gives_distinct_tensors(mooncake_master_session: MasterProcess) -> None:
-    with MooncakeCache(config(mooncake_master_session, timeout=30.0)) as cache:
+    with MooncakeCache(config(mooncake_master_session, timeout=ROOMY_TIMEOUT)) as cache:
         assert cache.insert_batch([key(600)], [torch.ones(8)]) == [True]
         first, second = cache.get_embeddings([key(600), key(600)])
         assert first is not None and second is not None
@@ -494,7 +494,7 @@ def test_inserts_wait_for_the_callers_streams_on_the_worker(
         return Recorded(real(tensors))
 
     monkeypatch.setattr(module, "host_ready", recording)
-    with MooncakeCache(config(mooncake_master_session, timeout=30.0)) as cache:
+    with MooncakeCache(config(mooncake_master_session, timeout=ROOMY_TIMEOUT)) as cache:
         assert cache.insert_batch([key(700)], [torch.ones(3)]) == [True]
     assert [what for what, _ in seen] == ["record", "wait"]
     assert seen[0][1] == threading.current_thread().name

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tests._support import require_stack
+from tests._support import ROOMY_TIMEOUT, require_stack
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM cannot infer a device without one
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
@@ -39,9 +39,6 @@ TIMEOUT = 0.4
 """The short deadline of the tests that fault the master (hung, dead, slow)."""
 BOUND = TIMEOUT + 2.5
 """A call may overrun its deadline by scheduling noise on a loaded machine, never by a hang."""
-ROOMY_TIMEOUT = 5.0
-"""The deadline of the tests that do not fault the master: only a hang may fail them (0.4 s
-missed whole saves on a crowded host)."""
 
 
 def require_vllm() -> None:
