@@ -397,12 +397,13 @@ block = running_fleet(1, netns=True)
 fleet = block.__enter__()
 holder = fleet.holders[0]
 print(fleet.master.pid, holder.pid, holder.netns, *holder._links, flush=True)
+print(fleet.master.log_path.parent, holder.log_path.parent, flush=True)
 atexit._run_exitfuncs()
 os._exit(0)
 """
 
 
-def test_a_fleet_left_open_is_stopped_and_its_network_removed_at_exit(fleet_runs_here: None) -> None:
+def test_a_fleet_left_open_is_stopped_and_its_network_and_folders_removed_at_exit(fleet_runs_here: None) -> None:
     reason = netns_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -414,7 +415,11 @@ def test_a_fleet_left_open_is_stopped_and_its_network_removed_at_exit(fleet_runs
         env=dict(os.environ, MC_LOG_LEVEL="ERROR"),
     )
     assert done.returncode == 0, done.stderr
-    master_pid, holder_pid, netns, outer, _ = done.stdout.split()
+    processes, folders = done.stdout.splitlines()
+    master_pid, holder_pid, netns, outer, _ = processes.split()
     assert _state(int(master_pid)) is None and _state(int(holder_pid)) is None
     assert netns not in _netns_names()
     assert outer not in _links()
+    master_dir, holder_dir = folders.split()
+    assert master_dir != holder_dir
+    assert not Path(master_dir).exists() and not Path(holder_dir).exists()

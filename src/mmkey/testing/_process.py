@@ -3,14 +3,17 @@
 `ManagedProcess` spawns a command with its output appended to a log file, and pauses
 (SIGSTOP), resumes, kills and stops it, always reaping; the subclasses add what their
 process needs to be ready. Every spawned handle is stopped at interpreter exit, before the
-clean-ups registered with `after_processes_at_exit` run.
+clean-ups registered with `after_processes_at_exit` run and the work folders of
+`make_workdir` that their owners left are removed.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import weakref
@@ -25,6 +28,8 @@ __all__ = [
     "STOP_GRACE_S",
     "ManagedProcess",
     "after_processes_at_exit",
+    "make_workdir",
+    "remove_workdir",
     "wait_stopped",
 ]
 
@@ -36,6 +41,7 @@ LOG_TAIL_CHARS = 4000
 """How much of a log an error message quotes."""
 _LIVE: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
 _AFTER_PROCESSES: list[Callable[[], None]] = []
+_WORKDIRS: set[Path] = set()
 _STOPPED = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP})
 
 
@@ -55,6 +61,19 @@ def wait_stopped(process: psutil.Process, *, stopped: bool, timeout: float = 2.0
 def after_processes_at_exit(cleanup: Callable[[], None]) -> None:
     """Run ``cleanup`` at interpreter exit once every leftover process has been stopped."""
     _AFTER_PROCESSES.append(cleanup)
+
+
+def make_workdir(prefix: str) -> Path:
+    """A new folder for a child's work files, removed at interpreter exit if still there."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    _WORKDIRS.add(path)
+    return path
+
+
+def remove_workdir(path: Path) -> None:
+    """Remove a folder from `make_workdir` (its processes have been stopped)."""
+    _WORKDIRS.discard(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class ManagedProcess:
@@ -195,3 +214,5 @@ def _stop_leftovers() -> None:
     for cleanup in _AFTER_PROCESSES:
         with contextlib.suppress(Exception):
             cleanup()
+    for path in list(_WORKDIRS):
+        remove_workdir(path)

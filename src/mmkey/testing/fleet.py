@@ -25,7 +25,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -39,7 +38,13 @@ from mmkey.cache.mooncake._master_http import read_metrics, segment_names
 from mmkey.cache.mooncake._net import port_accepts
 from mmkey.cache.mooncake._replicas import memory_endpoints
 from mmkey.cache.mooncake.holder import HolderSpec, find_holder_binary
-from mmkey.testing._process import POLL_S, ManagedProcess, after_processes_at_exit
+from mmkey.testing._process import (
+    POLL_S,
+    ManagedProcess,
+    after_processes_at_exit,
+    make_workdir,
+    remove_workdir,
+)
 from mmkey.testing.mooncake_master import (
     HOST,
     INSTALL_HINT,
@@ -561,7 +566,7 @@ def running_fleet(
         why = netns_unavailable_reason()
         if why is not None:
             raise FleetStartError(why)
-    workdir = Path(tempfile.mkdtemp(prefix="mmkey-fleet-"))
+    workdir = make_workdir("mmkey-fleet-")
     network: _TestNetwork | None = None
     started: list[HolderProcess] = []
     try:
@@ -602,7 +607,7 @@ def running_fleet(
     finally:
         if network is not None:
             network.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_workdir(workdir)
 
 
 def _close_leftover_networks() -> None:

@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ import psutil
 
 from mmkey.cache.mooncake._master_http import read_health
 from mmkey.cache.mooncake._net import port_accepts
-from mmkey.testing._process import POLL_S, ManagedProcess
+from mmkey.testing._process import POLL_S, ManagedProcess, make_workdir, remove_workdir
 
 __all__ = [
     "HOST",
@@ -271,7 +270,7 @@ def running_master(
     binary = find_master_binary()
     if binary is None:
         raise FileNotFoundError(f"mooncake_master not found; {INSTALL_HINT}")
-    workdir = Path(tempfile.mkdtemp(prefix="mmkey-mooncake-master-"))
+    workdir = make_workdir("mmkey-mooncake-master-")
     handle: MasterProcess | None = None
     try:
         for attempt in range(1, _PORT_ATTEMPTS + 1):
@@ -300,4 +299,4 @@ def running_master(
         if handle is not None:
             handle.stop()
             handle._forget()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_workdir(workdir)

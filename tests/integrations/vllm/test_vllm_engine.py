@@ -65,12 +65,15 @@ def fleet() -> Iterator[Fleet]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def vllm_cache_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def vllm_folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """One vLLM cache for every engine here, whatever ``XDG_CACHE_HOME`` a run sets: an engine
     finds the model class vLLM inspected for an earlier one there, where an engine with an
-    empty cache starts a Python process to inspect it again."""
+    empty cache starts a Python process to inspect it again. The engines' sockets and
+    rendezvous files go to a folder of the run too, not into /tmp for good."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        patch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-rpc")))
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("vllm-tmp")))
         yield
 
 
