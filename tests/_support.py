@@ -31,8 +31,9 @@ __all__ = [
 MiB = 1 << 20
 ROOMY_TIMEOUT = 5.0
 """The store deadline of a test that faults no master: only a hang may fail it (sub-second
-deadlines missed plain round trips on a crowded host). Tests of hung, dead or slow masters
-keep their module's short one."""
+deadlines missed plain round trips on a crowded host). Each module's ``config`` helper
+defaults to it; the tests of hung, dead or slow masters ask for their module's short
+``TIMEOUT``."""
 
 
 def wait_until(predicate: Callable[[], object], seconds: float, *, poll: float = 0.02) -> bool:

@@ -403,7 +403,7 @@ os._exit(0)
 """
 
 
-def test_a_fleet_left_open_is_stopped_and_its_network_and_folders_removed_at_exit(fleet_runs_here: None) -> None:
+def test_a_fleet_left_open_is_stopped_and_its_network_and_folder_removed(fleet_runs_here: None) -> None:
     reason = netns_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)

@@ -42,15 +42,17 @@ def key(i: int, namespace: str = "test-model") -> EmbeddingKey:
 
 
 def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
-    defaults = {"global_segment_size": 256 * MiB, "local_buffer_size": 32 * MiB, "timeout": TIMEOUT}
+    """A roomy deadline, so that only a hang fails a test on a crowded host (0.3 s missed a
+    30 MB round trip there); the tests that fault their master or time a call ask for
+    `TIMEOUT`."""
+    defaults = {"global_segment_size": 256 * MiB, "local_buffer_size": 32 * MiB, "timeout": ROOMY_TIMEOUT}
     return local_config(master, **{**defaults, **overrides})
 
 
 @pytest.fixture
 def cache(mooncake_master_session: MasterProcess) -> Iterator[MooncakeCache]:
-    """A cache on the shared master, which no test faults: a roomy deadline, so only a hang
-    fails these tests (0.3 s missed a 30 MB round trip on a crowded host)."""
-    c = MooncakeCache(config(mooncake_master_session, timeout=ROOMY_TIMEOUT))
+    """A cache on the shared master, which no test faults."""
+    c = MooncakeCache(config(mooncake_master_session))
     yield c
     c.close()
 
@@ -182,7 +184,7 @@ def test_a_second_process_reads_what_the_first_wrote(
 import sys, torch
 from mmkey import EmbeddingKey, MooncakeCache, MooncakeConfig
 cache = MooncakeCache(MooncakeConfig(master_server_address={mooncake_master_session.address!r},
-                                     global_segment_size=0, timeout=5.0, setup_timeout=60.0))
+                                     global_segment_size=0, timeout={ROOMY_TIMEOUT}, setup_timeout=60.0))
 got = cache.get_embeddings([EmbeddingKey.from_key(k) for k in sys.argv[1:]])
 for t in got:
     print("miss" if t is None else f"{{t.dtype}} {{tuple(t.shape)}} {{t.float().sum().item():.6e}}")
@@ -242,7 +244,7 @@ def test_a_missing_binding_is_a_store_error_naming_the_install(
 
 
 def test_killed_and_restarted_master(mooncake_master: MasterProcess) -> None:
-    c = MooncakeCache(config(mooncake_master))
+    c = MooncakeCache(config(mooncake_master, timeout=TIMEOUT))
     try:
         k = key(10_000)
         c.insert_batch([k], [torch.ones(8)])
@@ -268,7 +270,7 @@ def test_killed_and_restarted_master(mooncake_master: MasterProcess) -> None:
 def test_hung_master_answers_misses_within_the_timeout_and_recovers(
     mooncake_master: MasterProcess,
 ) -> None:
-    c = MooncakeCache(config(mooncake_master))
+    c = MooncakeCache(config(mooncake_master, timeout=TIMEOUT))
     try:
         k = key(11_000)
         c.insert_batch([k], [torch.ones(8)])
@@ -291,7 +293,7 @@ def test_hung_master_answers_misses_within_the_timeout_and_recovers(
 
 def test_no_master_at_construction_then_it_comes_up(mooncake_master: MasterProcess) -> None:
     mooncake_master.kill()
-    c, took = timed(lambda: MooncakeCache(config(mooncake_master)))
+    c, took = timed(lambda: MooncakeCache(config(mooncake_master, timeout=TIMEOUT)))
     assert isinstance(c, MooncakeCache)
     try:
         assert took < 5.0 + BOUND  # the setup timeout, never Mooncake's ~90 s retry loop
@@ -311,7 +313,7 @@ def test_reconnecting_waits_at_most_the_call_timeout_not_the_setup_timeout(
     # (as a hung master does): a lookup must still return within `timeout`, not wait for
     # `setup_timeout`; the slow setup finishes on the worker and the cache recovers
     mooncake_master.kill()
-    c = MooncakeCache(config(mooncake_master, setup_timeout=4.0))
+    c = MooncakeCache(config(mooncake_master, setup_timeout=4.0, timeout=TIMEOUT))
     real = c._transport.store_class
 
     class SlowSetup(real):  # type: ignore[valid-type, misc]
@@ -372,7 +374,7 @@ def test_tensors_reused_after_an_insert_timed_out_are_never_stored(
             return super().batch_upsert_from(keys, buffer_ptrs, sizes, *rest)
 
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", SlowFirstFlush)
-    with MooncakeCache(config(mooncake_master_session, local_buffer_size=4 * MiB)) as c:
+    with MooncakeCache(config(mooncake_master_session, local_buffer_size=4 * MiB, timeout=TIMEOUT)) as c:
         keys = [key(15_000 + i) for i in range(6)]
         tensors = [torch.full((MiB // 4,), float(i)) for i in range(6)]  # 1 MiB each
         originals = [t.clone() for t in tensors]
@@ -388,7 +390,7 @@ def test_tensors_reused_after_an_insert_timed_out_are_never_stored(
 def test_close_with_a_hung_master_returns_within_the_setup_timeout(
     mooncake_master: MasterProcess,
 ) -> None:
-    c = MooncakeCache(config(mooncake_master, setup_timeout=1.0))
+    c = MooncakeCache(config(mooncake_master, setup_timeout=1.0, timeout=TIMEOUT))
     c.insert_batch([key(13_000)], [torch.ones(2)])
     mooncake_master.pause()
     c.get_embeddings([key(13_000)])  # leaves a call stuck on the worker
@@ -410,7 +412,7 @@ def test_entries_larger_than_the_staging_buffer_and_its_slots(
     # a 4 MiB staging buffer: 8 MiB entries bypass it on write, and in a batch read of
     # many keys each slot is smaller than the large entries, which are then read alone; a
     # generous timeout: this test is about sizes (16 MiB missed 0.3 s on a crowded host)
-    cfg = config(mooncake_master_session, local_buffer_size=4 * MiB, timeout=ROOMY_TIMEOUT)
+    cfg = config(mooncake_master_session, local_buffer_size=4 * MiB)
     with MooncakeCache(cfg) as c:
         big = [torch.randn(2 * MiB) for _ in range(2)]  # 8 MiB each
         small = [torch.randn(64, 64) for _ in range(30)]

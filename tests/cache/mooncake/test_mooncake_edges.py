@@ -43,9 +43,9 @@ def key(i: int) -> EmbeddingKey:
 
 
 def config(master: MasterProcess, **overrides: object) -> MooncakeConfig:
-    """A short deadline, for the tests that fault a master or time a store; the others pass
-    `ROOMY_TIMEOUT`, so that only a hang fails them on a crowded host."""
-    defaults = {"setup_timeout": 2.0, "retry_after": 0.1, "timeout": TIMEOUT}
+    """A roomy deadline, so that only a hang fails a test on a crowded host; the tests that
+    fault a master or time a store ask for `TIMEOUT`."""
+    defaults = {"setup_timeout": 2.0, "retry_after": 0.1, "timeout": ROOMY_TIMEOUT}
     return local_config(master, **{**defaults, **overrides})
 
 
@@ -131,7 +131,7 @@ def test_construction_against_a_paused_master_never_freezes_the_process(
 ) -> None:
     mooncake_master.pause()
     try:
-        cache, took = timed(lambda: MooncakeCache(config(mooncake_master)))
+        cache, took = timed(lambda: MooncakeCache(config(mooncake_master, timeout=TIMEOUT)))
         assert isinstance(cache, MooncakeCache)
         assert took < 2.0 + SLACK and ticker.longest < TIMEOUT + SLACK
         assert not cache.is_connected()
@@ -147,7 +147,7 @@ def test_reconnecting_to_a_master_that_came_back_hung_never_freezes_the_process(
     mooncake_master: MasterProcess, ticker: Ticker
 ) -> None:
     mooncake_master.kill()
-    cache = MooncakeCache(config(mooncake_master))
+    cache = MooncakeCache(config(mooncake_master, timeout=TIMEOUT))
     try:
         mooncake_master.restart()
         mooncake_master.pause()
@@ -169,7 +169,7 @@ def test_reconnecting_to_a_master_that_came_back_hung_never_freezes_the_process(
 def test_close_with_a_paused_master_returns_within_the_timeout_without_freezing(
     mooncake_master: MasterProcess, ticker: Ticker
 ) -> None:
-    cache = MooncakeCache(config(mooncake_master))
+    cache = MooncakeCache(config(mooncake_master, timeout=TIMEOUT))
     assert cache.insert_batch([key(3)], [torch.ones(4)]) == [True]
     mooncake_master.pause()
     try:
@@ -187,7 +187,7 @@ def test_close_with_a_paused_master_returns_within_the_timeout_without_freezing(
 def test_close_behind_a_stuck_call_abandons_the_store_once_the_call_returns(
     mooncake_master: MasterProcess, ticker: Ticker
 ) -> None:
-    cache = MooncakeCache(config(mooncake_master))
+    cache = MooncakeCache(config(mooncake_master, timeout=TIMEOUT))
     assert cache.insert_batch([key(4)], [torch.ones(4)]) == [True]
     mooncake_master.pause()
     try:
@@ -205,7 +205,7 @@ def test_close_behind_a_stuck_call_abandons_the_store_once_the_call_returns(
 def test_healthy_close_freeze_is_bounded(mooncake_master: MasterProcess, ticker: Ticker) -> None:
     # Mooncake's close holds the GIL for about 1-2 s on a healthy master (documented);
     # this only catches a hang
-    cache = MooncakeCache(config(mooncake_master))
+    cache = MooncakeCache(config(mooncake_master, timeout=TIMEOUT))
     assert cache.insert_batch([key(5)], [torch.ones(4)]) == [True]
     ticker.reset()
     _, took = timed(cache.close)
@@ -290,7 +290,7 @@ def test_keyboard_interrupt_during_a_read_leaves_the_cache_usable(
     monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
 ) -> None:
     slow_store(monkeypatch, 0.0, ("batch_get_into",))
-    with MooncakeCache(config(mooncake_master_session, timeout=5.0)) as cache:
+    with MooncakeCache(config(mooncake_master_session)) as cache:
         keys = [key(100 + i) for i in range(4)]
         values = [torch.full((100,), float(i)) for i in range(4)]
         assert cache.insert_batch(keys, values) == [True] * 4
@@ -333,7 +333,7 @@ def test_a_foreign_fault_on_the_worker_is_a_counted_miss(
             return 1 << 50 if key.endswith("0" * 31 + "7") and fail[0] else super().get_size(key)
 
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", FailingStore)
-    with MooncakeCache(config(mooncake_master_session, retry_after=5.0, timeout=ROOMY_TIMEOUT)) as cache:
+    with MooncakeCache(config(mooncake_master_session, retry_after=5.0)) as cache:
         assert cache.insert_batch([key(200)], [torch.ones(5)]) == [True]
         before = cache.stats()
         assert cache.get_embeddings([key(200)]) == [None]
@@ -358,7 +358,7 @@ def test_a_value_too_large_to_allocate_is_a_counted_miss(
             return 1 << 50  # a petabyte: the allocation fails
 
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", HugeSize)
-    with MooncakeCache(config(mooncake_master_session, timeout=ROOMY_TIMEOUT)) as cache:
+    with MooncakeCache(config(mooncake_master_session)) as cache:
         assert cache.insert_batch([key(201)], [torch.ones(5)]) == [True]
         before = cache.stats()
         assert cache.get_embeddings([key(201)]) == [None]
@@ -367,7 +367,7 @@ def test_a_value_too_large_to_allocate_is_a_counted_miss(
 
 
 def test_calls_racing_close_return_at_once(mooncake_master: MasterProcess, ticker: Ticker) -> None:
-    cache = MooncakeCache(config(mooncake_master, timeout=5.0))
+    cache = MooncakeCache(config(mooncake_master))
     assert cache.insert_batch([key(300)], [torch.ones(4)]) == [True]
     mooncake_master.pause()
     returned: list[float] = []
@@ -403,7 +403,7 @@ def test_a_large_read_under_a_slow_store_is_bounded_by_one_timeout(
     with (
         writer,
         MooncakeCache(
-            config(mooncake_master_session, local_buffer_size=1 * MiB, global_segment_size=0)
+            config(mooncake_master_session, local_buffer_size=1 * MiB, global_segment_size=0, timeout=TIMEOUT)
         ) as cache,
     ):
         keys = [key(400 + i) for i in range(80)]  # 64 KiB each, 4 keys a transfer: 20 transfers
@@ -462,7 +462,7 @@ def test_read_slots_grow_at_once_and_halve_towards_smaller_entries() -> None:
 
 
 def test_a_key_read_twice_gives_distinct_tensors(mooncake_master_session: MasterProcess) -> None:
-    with MooncakeCache(config(mooncake_master_session, timeout=ROOMY_TIMEOUT)) as cache:
+    with MooncakeCache(config(mooncake_master_session)) as cache:
         assert cache.insert_batch([key(600)], [torch.ones(8)]) == [True]
         first, second = cache.get_embeddings([key(600), key(600)])
         assert first is not None and second is not None
@@ -494,7 +494,7 @@ def test_inserts_wait_for_the_callers_streams_on_the_worker(
         return Recorded(real(tensors))
 
     monkeypatch.setattr(module, "host_ready", recording)
-    with MooncakeCache(config(mooncake_master_session, timeout=ROOMY_TIMEOUT)) as cache:
+    with MooncakeCache(config(mooncake_master_session)) as cache:
         assert cache.insert_batch([key(700)], [torch.ones(3)]) == [True]
     assert [what for what, _ in seen] == ["record", "wait"]
     assert seen[0][1] == threading.current_thread().name
@@ -574,7 +574,7 @@ def test_overlapping_calls_into_the_binding_are_safe(
 def test_health_reports_the_breaker_and_skips_are_counted(mooncake_master: MasterProcess) -> None:
     from mmkey.cache.health import health_of
 
-    with MooncakeCache(config(mooncake_master, retry_after=30.0)) as cache:
+    with MooncakeCache(config(mooncake_master, retry_after=30.0, timeout=TIMEOUT)) as cache:
         assert cache.health().breaker_open is False and cache.health().quarantined == ()
         mooncake_master.kill()
         assert cache.get_embeddings([key(950)]) == [None]  # a transfer times out

@@ -8,23 +8,28 @@ import hashlib
 import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from mmkey import EmbeddingKey, EntryKeyring, HashScheme, Modality, MooncakeCache, StoreClosed, mm_hash
+from mmkey.cache.mooncake import MooncakeConfig
 from mmkey.entry.codec import encode_entry
 from mmkey.testing.mooncake_master import MasterProcess
-from tests._support import MiB, count_multi_buffer_puts, local_config, timed, wait_until
+from tests._support import ROOMY_TIMEOUT, MiB, count_multi_buffer_puts, local_config, timed, wait_until
 
 pytestmark = pytest.mark.mooncake
 
 TIMEOUT = 0.5
 BOUND = TIMEOUT + 1.5  # scheduling noise, never a store hang (30 s)
-ROOMY = 5.0
-"""The timeout of tests that check what is stored, not how fast: a busy CI host can take
-longer than `TIMEOUT` for a first multi-buffer put, which would be a counted miss there."""
 DIM = 64
+
+
+def config(master: MasterProcess, **overrides: Any) -> MooncakeConfig:
+    """Trusted-network mode (pools registered) and a roomy deadline, so that only a hang fails
+    a test on a crowded host; the tests that kill or pause their master ask for `TIMEOUT`."""
+    return local_config(master, **{"trusted_network": True, "timeout": ROOMY_TIMEOUT, **overrides})
 
 
 def key(i: int, namespace: str = "paged-model") -> EmbeddingKey:
@@ -39,11 +44,7 @@ def multi_buffer_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.fixture
 def cache(mooncake_master_session: MasterProcess) -> Iterator[MooncakeCache]:
-    c = MooncakeCache(
-        local_config(
-            mooncake_master_session, trusted_network=True, global_segment_size=256 * MiB, timeout=ROOMY
-        )
-    )
+    c = MooncakeCache(config(mooncake_master_session, global_segment_size=256 * MiB))
     yield c
     c.close()
 
@@ -69,7 +70,7 @@ def test_pages_of_a_registered_pool_go_in_one_multi_buffer_put_and_read_back(
     mooncake_master_session: MasterProcess, multi_buffer_puts: list[int]
 ) -> None:
     src = pool(400)
-    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, timeout=ROOMY)) as c:
+    with MooncakeCache(config(mooncake_master_session)) as c:
         c.register_memory(src)
         runs = [pages(src, (0, 30), (100, 6)), pages(src, (200, 50)), pages(src, (300, 1), (360, 40))]
         keys = [key(i) for i in range(3)]
@@ -94,7 +95,7 @@ def test_existing_keys_are_replaced_and_unregistered_memory_is_staged(
     mooncake_master_session: MasterProcess, multi_buffer_puts: list[int]
 ) -> None:
     registered, loose = pool(100, seed=1), pool(100, seed=2)
-    with MooncakeCache(local_config(mooncake_master_session, trusted_network=True, timeout=ROOMY)) as c:
+    with MooncakeCache(config(mooncake_master_session)) as c:
         c.register_memory(registered)
         k_new, k_loose = key(100), key(101)
         assert c.insert_from([k_loose], [pages(loose, (0, 10), (50, 10))]) == [True]
@@ -115,9 +116,7 @@ def test_memory_registered_before_the_store_is_set_up_is_sent_from_once_it_is(
     src = pool(64)
     mooncake_master.pause()
     try:
-        c = MooncakeCache(
-            local_config(mooncake_master, trusted_network=True, timeout=TIMEOUT, setup_timeout=0.3)
-        )
+        c = MooncakeCache(config(mooncake_master, timeout=TIMEOUT, setup_timeout=0.3))
         assert not c.is_connected()
         c.register_memory(src)  # no store yet: recorded
     finally:
@@ -142,7 +141,7 @@ def test_registered_memory_still_goes_straight_to_a_restarted_master(
     mooncake_master: MasterProcess, multi_buffer_puts: list[int]
 ) -> None:
     src = pool(64, seed=8)
-    c = MooncakeCache(local_config(mooncake_master, trusted_network=True, timeout=TIMEOUT))
+    c = MooncakeCache(config(mooncake_master, timeout=TIMEOUT))
     try:
         c.register_memory(src)
         assert c.insert_from([key(250)], [[src[:8]]]) == [True]
@@ -197,7 +196,7 @@ def test_signed_entries_from_pages_verify_and_foreign_secrets_are_forged(
         EntryKeyring.from_secrets(hashlib.sha256(b"b").hexdigest()),
     )
     src = pool(50, seed=5)
-    cfg = local_config(mooncake_master_session, trusted_network=True, timeout=ROOMY)
+    cfg = config(mooncake_master_session)
     with MooncakeCache(cfg, keyring=ours) as writer, MooncakeCache(cfg, keyring=theirs) as other:
         writer.register_memory(src)
         k = key(500, namespace="paged-signed")
@@ -214,13 +213,7 @@ def test_many_entries_pipeline_over_lanes_and_large_ones_get_their_own_buffer(
 ) -> None:
     # a 1 MiB staging buffer per lane: 40 entries of 256 KiB need many transfers, and a
     # 3 MiB entry does not fit a lane at all
-    cfg = local_config(
-        mooncake_master_session,
-        trusted_network=True,
-        global_segment_size=256 * MiB,
-        local_buffer_size=1 * MiB,
-        timeout=5.0,
-    )
+    cfg = config(mooncake_master_session, global_segment_size=256 * MiB, local_buffer_size=1 * MiB)
     src = torch.randn(40 * 2048 + 24576, DIM).to(torch.bfloat16)  # 256 KiB per 2048 rows
     with MooncakeCache(cfg) as c:
         c.register_memory(src)
@@ -237,7 +230,7 @@ def test_a_hung_master_answers_every_call_as_a_miss_within_the_timeout(
     mooncake_master: MasterProcess,
 ) -> None:
     src = pool(64, seed=6)
-    c = MooncakeCache(local_config(mooncake_master, trusted_network=True, timeout=TIMEOUT))
+    c = MooncakeCache(config(mooncake_master, timeout=TIMEOUT))
     try:
         c.register_memory(src)
         k = key(700)
