@@ -179,6 +179,9 @@ CHAIN_NICE ?= 10
 FILLER ?=
 # every lane with CI's hypothesis profile (derandomized: the same verdict on every run)
 test: export HYPOTHESIS_PROFILE ?= ci
+# one OpenMP thread per process: a dozen processes share two cores, and torch's idle OpenMP
+# threads spin for work (the demo's tests took 2 to 3 times the CPU beside the others)
+test: export OMP_NUM_THREADS ?= 1
 test: $(VENV)/.dev
 	$(MAKE) --no-print-directory -j$(TEST_LANES) -O test-foreground test-background
 
