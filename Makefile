@@ -236,4 +236,4 @@ bench-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
 
 clean:
 	rm -rf .pycache $(VENV) $(VLLM_VENV) $(VLLM_ENGINE_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis docs/_build docs/_generated \
-	    .import_linter_cache .grimp_cache .ruff_cache
+	    .import_linter_cache .grimp_cache .ruff_cache .gpu-carry

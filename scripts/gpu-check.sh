@@ -2,23 +2,95 @@
 # One command for a machine with an NVIDIA GPU: every CUDA-marked test, then two SGLang encode
 # servers on a tiny random-weight VLM sharing an embedding through mmkey's store
 # (scripts/sglang_gpu_e2e.py: pinned pools, store_to_pool_async from CUDA, SGLang's GPU hash).
-# Runs in SGLang's test environment (make .venv-sglang/.ready; its torch is a CUDA build).
-# Prints one summary line; exit status 0 when everything passed or when there is no CUDA
-# device (then it says SKIP and runs nothing). Takes a few minutes.
-#   scripts/gpu-check.sh            # PYTHON=... to use another environment
+# Runs in SGLang's test environment (make .venv-sglang/.ready; its torch is a CUDA build), or,
+# where there is none, on the machine's own python3 and CUDA torch with what
+# scripts/gpu-carry.sh packed into .gpu-carry/ (a bare GPU machine with no network: carry
+# .gpu-carry with the working tree). Prints one summary line; exit status 0 when everything
+# passed or when there is no CUDA device (then it says SKIP and runs nothing). Takes a few
+# minutes.
+#   scripts/gpu-check.sh               # PYTHON=... to use another environment
+#   scripts/gpu-check.sh --setup-only  # set up and check what imports, on any machine
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+setup_only=0
+[ "${1:-}" = "--setup-only" ] && setup_only=1
 python=${PYTHON:-.venv-sglang/bin/python}
+carry=.gpu-carry
+# each of the two steps: both, with the set-up, fit one 10-minute command on a lent machine
+step_timeout=${GPU_CHECK_STEP_TIMEOUT:-270}
 out=$(mktemp -d "${TMPDIR:-/tmp}/mmkey-gpu-check.XXXXXX")
 trap 'rm -rf "$out"' EXIT
 
-if ! command -v nvidia-smi >/dev/null 2>&1; then
+if [ "$setup_only" -eq 0 ] && ! command -v nvidia-smi >/dev/null 2>&1; then
     echo "gpu-check: SKIP (no nvidia-smi: no NVIDIA driver on this machine)"
     exit 0
 fi
-if [ ! -x "$python" ]; then
-    echo "gpu-check: FAIL ($python not found: run make .venv-sglang/.ready first)"
+
+# The carried packages on this machine's python3: unpacked into $out, mmkey installed from
+# the working tree (for its entry points), and the carried libraries put on the library path
+# only where this machine lacks them.
+use_carry() {
+    local site="$out/site" lib="$out/lib" so found missing
+    python=${PYTHON_GPU:-python3}
+    mkdir -p "$site" "$lib" "$out/debs"
+    tar -C "$site" -xJf "$carry/site.tar.xz" || return 1
+    "$python" -m pip install -q --disable-pip-version-check --no-index --find-links "$carry/wheels" \
+        --target "$out/backend" hatchling || return 1
+    PYTHONPATH="$out/backend" "$python" -m pip install -q --disable-pip-version-check --no-deps \
+        --no-build-isolation --no-index --target "$site" . || return 1
+    for deb in "$carry"/debs/*.deb; do dpkg-deb -x "$deb" "$out/debs" || return 1; done
+    for _ in 1 2 3 4 5; do
+        missing=$(LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+            ldd "$site/mooncake/store.so" "$site/mooncake/mooncake_master" "$lib"/* 2>/dev/null \
+            | awk '/not found/ {print $1}' | sort -u)
+        [ -z "$missing" ] && break
+        for so in $missing; do
+            found=$(find "$out/debs" -name "$so" | head -n 1)
+            [ -n "$found" ] && ln -sf "$(readlink -f "$found")" "$lib/$so"
+        done
+    done
+    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    echo "gpu-check: carried packages on $("$python" -c 'import sys; print(sys.executable)'); libraries from the carry: $(ls "$lib" | tr '\n' ' ')"
+}
+
+if [ ! -x "$python" ] && [ -z "${PYTHON:-}" ] && [ -f "$carry/site.tar.xz" ]; then
+    use_carry >"$out/setup.log" 2>&1 || {
+        echo "gpu-check: FAIL (setting up the carried packages failed)"
+        tail -n 40 "$out/setup.log" >&2
+        exit 1
+    }
+    tail -n 1 "$out/setup.log"
+fi
+if [ ! -x "$python" ] && ! command -v "$python" >/dev/null 2>&1; then
+    echo "gpu-check: FAIL ($python not found: run make .venv-sglang/.ready, or scripts/gpu-carry.sh on a machine with network)"
     exit 1
+fi
+
+if [ "$setup_only" -eq 1 ]; then
+    # what the GPU run needs, short of the GPU: the packages import, SGLang finds mmkey's
+    # plugin, and a local master starts
+    "$python" - <<'PY'
+import importlib.metadata, sys
+
+import mooncake.store  # noqa: F401
+import sglang
+import torch
+from sglang.srt.disaggregation.encoder import server  # noqa: F401
+
+from mmkey.testing.mooncake_master import running_master
+
+plugins = [ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")]
+if "mmkey.integrations.sglang:register_plugin" not in plugins:
+    sys.exit(f"gpu-check: FAIL (SGLang does not find mmkey's plugin: {plugins})")
+with running_master() as master:
+    ready = master.is_ready()
+if not ready:
+    sys.exit("gpu-check: FAIL (the local master did not answer)")
+print(f"gpu-check: SETUP OK (torch {torch.__version__}, CUDA {torch.cuda.is_available()}, "
+      f"SGLang {sglang.__version__}, mmkey's plugin found, a master started)")
+PY
+    exit $?
 fi
 if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
     echo "gpu-check: SKIP (torch in $python sees no CUDA device)"
@@ -28,11 +100,11 @@ fi
 # every test file with a CUDA-marked test (they skip themselves where a stack is missing)
 mapfile -t files < <(grep -rl --include='test_*.py' -E 'pytest\.mark\.gpu|mark\.gpu' tests | sort)
 MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
-    timeout 900 "$python" -m pytest -p no:cacheprovider -q -m gpu "${files[@]}" >"$out/pytest.log" 2>&1
+    timeout "$step_timeout" "$python" -m pytest -p no:cacheprovider -q -m gpu "${files[@]}" >"$out/pytest.log" 2>&1
 tests_rc=$?
 tests_summary=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|(passed|failed|error)(,| in )' "$out/pytest.log" | tail -n 1)
 
-timeout 900 "$python" scripts/sglang_gpu_e2e.py >"$out/e2e.log" 2>&1
+timeout "$step_timeout" "$python" scripts/sglang_gpu_e2e.py >"$out/e2e.log" 2>&1
 e2e_rc=$?
 e2e_summary=$(tail -n 1 "$out/e2e.log")
 
