@@ -137,7 +137,7 @@ VLLM_ENGINE_VENV := .venv-vllm-engine
 VLLM_ENGINE_BIN := $(VLLM_ENGINE_VENV)/bin
 VLLM_TESTS := tests/integrations/vllm/test_vllm_connector.py tests/integrations/vllm/test_vllm_stubs.py
 
-$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt pyproject.toml | $(BIN)/uv
+$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt scripts/guard-torchvision.sh pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh
 	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" sh scripts/vllm-engine-env.sh $(VLLM_ENGINE_VENV)
 	touch $@
@@ -199,15 +199,17 @@ static-checks: $(VENV)/.dev
 
 # SGLang's pins conflict with ours: its tests run in an environment of their own, every
 # package named and pinned in scripts/sglang-requirements*.txt and installed --no-deps
-# (scripts/sglang-env.sh).
+# (scripts/sglang-env.sh), with the CPU torch; SGLANG_TORCH=cuda builds it with SGLang's
+# own pin, the CUDA build, for scripts/gpu-check.sh on a GPU machine.
 SGLANG_PYTHON ?= python3.11
 SGLANG_VENV := .venv-sglang
 SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test_sglang_plugin.py test_sglang_keys.py \
     test_sglang_pools.py test_sglang_settings.py test_sglang_lookup.py)
 
-$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-disk.txt pyproject.toml | $(BIN)/uv
+$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-cpu.txt \
+    scripts/sglang-requirements-cuda.txt scripts/guard-torchvision.sh pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh
-	UV=$(UV) SGLANG_PYTHON=$(SGLANG_PYTHON) sh scripts/sglang-env.sh $(SGLANG_VENV)
+	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" SGLANG_PYTHON=$(SGLANG_PYTHON) sh scripts/sglang-env.sh $(SGLANG_VENV)
 	touch $@
 
 # the three stack environments (defined above), built beside the other lanes

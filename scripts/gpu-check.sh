@@ -2,10 +2,10 @@
 # One command for a machine with an NVIDIA GPU: every CUDA-marked test, then two SGLang encode
 # servers on a tiny random-weight VLM sharing an embedding through mmkey's store
 # (scripts/sglang_gpu_e2e.py: pinned pools, store_to_pool_async from CUDA, SGLang's GPU hash).
-# Runs in SGLang's test environment (make .venv-sglang/.ready; its torch is a CUDA build), or,
-# where there is none, on the machine's own python3 and CUDA torch with what
-# scripts/gpu-carry.sh packed into .gpu-carry/ (a bare GPU machine with no network: carry
-# .gpu-carry with the working tree). Prints one summary line; exit status 0 when everything
+# Runs in SGLang's test environment built with its CUDA torch
+# (SGLANG_TORCH=cuda make .venv-sglang/.ready), or, where there is none (or one with the CPU
+# torch), on the machine's own python3 and CUDA torch with what scripts/gpu-carry.sh packed
+# into .gpu-carry/ (a bare GPU machine with no network: carry .gpu-carry with the working tree). Prints one summary line; exit status 0 when everything
 # passed or when there is no CUDA device (then it says SKIP and runs nothing). Takes a few
 # minutes.
 #   scripts/gpu-check.sh               # PYTHON=... to use another environment
@@ -54,7 +54,9 @@ use_carry() {
     echo "gpu-check: carried packages on $("$python" -c 'import sys; print(sys.executable)'); libraries from the carry: $(ls "$lib" | tr '\n' ' ')"
 }
 
-if [ ! -x "$python" ] && [ -z "${PYTHON:-}" ] && [ -f "$carry/site.tar.xz" ]; then
+# the default environment with the CPU torch (make test builds it so) cannot run the GPU steps
+cpu_torch() { [ -x "$1" ] && "$1" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null; }
+if [ -z "${PYTHON:-}" ] && { [ ! -x "$python" ] || cpu_torch "$python"; } && [ -f "$carry/site.tar.xz" ]; then
     use_carry >"$out/setup.log" 2>&1 || {
         echo "gpu-check: FAIL (setting up the carried packages failed)"
         tail -n 40 "$out/setup.log" >&2
@@ -63,7 +65,7 @@ if [ ! -x "$python" ] && [ -z "${PYTHON:-}" ] && [ -f "$carry/site.tar.xz" ]; th
     tail -n 1 "$out/setup.log"
 fi
 if [ ! -x "$python" ] && ! command -v "$python" >/dev/null 2>&1; then
-    echo "gpu-check: FAIL ($python not found: run make .venv-sglang/.ready, or scripts/gpu-carry.sh on a machine with network)"
+    echo "gpu-check: FAIL ($python not found: SGLANG_TORCH=cuda make .venv-sglang/.ready, or scripts/gpu-carry.sh on a machine with network)"
     exit 1
 fi
 
@@ -91,6 +93,10 @@ print(f"gpu-check: SETUP OK (torch {torch.__version__}, CUDA {torch.cuda.is_avai
       f"SGLang {sglang.__version__}, mmkey's plugin found, a master started)")
 PY
     exit $?
+fi
+if cpu_torch "$python"; then
+    echo "gpu-check: FAIL ($python has the CPU torch: SGLANG_TORCH=cuda make .venv-sglang/.ready, or scripts/gpu-carry.sh)"
+    exit 1
 fi
 if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
     echo "gpu-check: SKIP (torch in $python sees no CUDA device)"

@@ -1,10 +1,8 @@
 #!/bin/sh
 # Build the real vLLM engine's test environment in $1 (default .venv-vllm-engine): Python 3.11,
 # torch==2.13.0 (the CPU build), then every package of vllm-engine-requirements.txt without
-# dependency resolution, then mmkey. torchvision from the index is a CUDA build whose C++ ops do
-# not load beside the CPU torch; two of its meta registrations are not guarded on that, so
-# importing it fails ("operator torchvision::nms does not exist"). They are guarded here the way
-# torchvision guards the others; the image models the tests run use none of its C++ ops.
+# dependency resolution, then mmkey; torchvision, the index's CUDA build, is made to import
+# beside the CPU torch by scripts/guard-torchvision.sh.
 set -eu
 cd "$(dirname "$0")/.."
 venv=${1:-.venv-vllm-engine}
@@ -28,11 +26,7 @@ else
 fi
 "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps -r scripts/vllm-engine-requirements.txt
 "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps -e .
-meta=$("$venv/bin/python" -c 'import importlib.util as u; print(u.find_spec("torchvision").submodule_search_locations[0])')/_meta_registrations.py
-sed -i \
-    -e 's|^@torch.library.register_fake("torchvision::nms")$|@(torch.library.register_fake("torchvision::nms") if torchvision.extension._has_ops() else (lambda f: f))|' \
-    -e 's|^@torch.library.register_fake("torchvision::qnms")$|@(torch.library.register_fake("torchvision::qnms") if torchvision.extension._has_ops() else (lambda f: f))|' \
-    "$meta"
+sh scripts/guard-torchvision.sh "$venv"
 "$venv/bin/python" - <<'PY'
 import torch
 import torchvision  # noqa: F401  (fails here if the guard did not apply)
