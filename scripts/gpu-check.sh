@@ -3,11 +3,11 @@
 # servers on a tiny random-weight VLM sharing an embedding through mmkey's store
 # (scripts/sglang_gpu_e2e.py: pinned pools, store_to_pool_async from CUDA, SGLang's GPU hash).
 # Runs in SGLang's test environment built with its CUDA torch
-# (SGLANG_TORCH=cuda make .venv-sglang/.ready), or, where there is none (or one with the CPU
+# (SGLANG_TORCH=cuda sh scripts/sglang-env.sh), or, where there is none (or one with the CPU
 # torch), on the machine's own python3 and CUDA torch with what scripts/gpu-carry.sh packed
-# into .gpu-carry/ (a bare GPU machine with no network: carry .gpu-carry with the working tree). Prints one summary line; exit status 0 when everything
-# passed or when there is no CUDA device (then it says SKIP and runs nothing). Takes a few
-# minutes.
+# into .gpu-carry/ (a bare GPU machine with no network: carry .gpu-carry with the working
+# tree). Prints one summary line; exit status 0 when everything passed or when there is no
+# CUDA device (then it says SKIP and runs nothing). Takes a few minutes.
 #   scripts/gpu-check.sh               # PYTHON=... to use another environment
 #   scripts/gpu-check.sh --setup-only  # set up and check what imports, on any machine
 set -uo pipefail
@@ -65,7 +65,7 @@ if [ -z "${PYTHON:-}" ] && { [ ! -x "$python" ] || cpu_torch "$python"; } && [ -
     tail -n 1 "$out/setup.log"
 fi
 if [ ! -x "$python" ] && ! command -v "$python" >/dev/null 2>&1; then
-    echo "gpu-check: FAIL ($python not found: SGLANG_TORCH=cuda make .venv-sglang/.ready, or scripts/gpu-carry.sh on a machine with network)"
+    echo "gpu-check: FAIL ($python not found: SGLANG_TORCH=cuda sh scripts/sglang-env.sh, or scripts/gpu-carry.sh on a machine with network)"
     exit 1
 fi
 
@@ -95,7 +95,7 @@ PY
     exit $?
 fi
 if cpu_torch "$python"; then
-    echo "gpu-check: FAIL ($python has the CPU torch: SGLANG_TORCH=cuda make .venv-sglang/.ready, or scripts/gpu-carry.sh)"
+    echo "gpu-check: FAIL ($python has the CPU torch: SGLANG_TORCH=cuda sh scripts/sglang-env.sh, or scripts/gpu-carry.sh)"
     exit 1
 fi
 if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
