@@ -54,9 +54,14 @@ use_carry() {
     echo "gpu-check: carried packages on $("$python" -c 'import sys; print(sys.executable)'); libraries from the carry: $(ls "$lib" | tr '\n' ' ')"
 }
 
-# the default environment with the CPU torch (make test builds it so) cannot run the GPU steps
-cpu_torch() { [ -x "$1" ] && "$1" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null; }
-if [ -z "${PYTHON:-}" ] && { [ ! -x "$python" ] || cpu_torch "$python"; } && [ -f "$carry/site.tar.xz" ]; then
+# an environment with the CPU torch (make test builds .venv-sglang so) cannot run the GPU
+# steps; asked once (importing torch takes seconds)
+cpu_torch=0
+if [ -x "$python" ] && "$python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null; then
+    cpu_torch=1
+fi
+if [ -z "${PYTHON:-}" ] && { [ ! -x "$python" ] || [ "$cpu_torch" -eq 1 ]; } && [ -f "$carry/site.tar.xz" ]; then
+    cpu_torch=0  # the machine's own torch
     use_carry >"$out/setup.log" 2>&1 || {
         echo "gpu-check: FAIL (setting up the carried packages failed)"
         tail -n 40 "$out/setup.log" >&2
@@ -94,7 +99,7 @@ print(f"gpu-check: SETUP OK (torch {torch.__version__}, CUDA {torch.cuda.is_avai
 PY
     exit $?
 fi
-if cpu_torch "$python"; then
+if [ "$cpu_torch" -eq 1 ]; then
     echo "gpu-check: FAIL ($python has the CPU torch: SGLANG_TORCH=cuda sh scripts/sglang-env.sh, or scripts/gpu-carry.sh)"
     exit 1
 fi

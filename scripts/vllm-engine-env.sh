@@ -29,7 +29,6 @@ fi
 sh scripts/guard-torchvision.sh "$venv"
 "$venv/bin/python" - <<'PY'
 import torch
-import torchvision  # noqa: F401  (fails here if the guard did not apply)
 import vllm
 
 if not torch.__version__.endswith("+cpu"):
