@@ -190,7 +190,12 @@ def test_a_hung_or_dead_master_is_a_miss_within_the_deadline_and_recovers(
         meta, _ = schedule(sched, reqs)
         produce(worker, meta, {"kept": embedding(4, 6)})
         assert worker.flush_saves(10.0)
-        meta_hit, hits = schedule(sched, reqs)
+        # before the fault the entry is there; on a crowded host one lookup on the short
+        # deadline can miss it (seen on a throttled host), so ask a bounded number of times
+        for _ in range(20):
+            meta_hit, hits = schedule(sched, reqs)
+            if hits == ["kept"]:
+                break
         assert hits == ["kept"]
 
         if fault == "hung":
