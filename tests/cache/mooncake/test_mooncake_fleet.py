@@ -141,6 +141,31 @@ def test_a_paused_holder_never_blinds_a_reader(mooncake_fleet: Fleet, store: obj
         writer.close()
 
 
+def test_a_slow_holder_whose_late_transfer_completes_is_readmitted_without_a_probe(
+    mooncake_fleet: Fleet, store: object
+) -> None:
+    # a busy host's healthy holder can miss a short deadline once; its transfer then completes,
+    # and that alone re-admits it (probes ride on reads, and none follows here)
+    keys = [key(4000 + i) for i in range(40)]
+    writer = write(mooncake_fleet, keys)
+    reader = reader_of(mooncake_fleet, retry_after=3600.0)
+    victim = mooncake_fleet.holders[0]
+    try:
+        _, on_victim = split(placement(mooncake_fleet, store, keys), victim)
+        assert Sweep(reader, keys).hits(keys) == 1.0
+        victim.pause()
+        assert reader.get_embeddings([on_victim[0]]) == [None]
+        assert wait_until(lambda: victim.endpoints & set(reader.health().quarantined), 10), reader.health()
+        victim.resume()  # well within Mooncake's 30 s: the stuck transfer completes
+        assert wait_until(lambda: reader.health().quarantined == (), 20), reader.health()
+        assert Sweep(reader, keys).hits(keys) == 1.0
+    finally:
+        if victim.paused:
+            victim.resume()
+        reader.close()
+        writer.close()
+
+
 def test_a_killed_holder_costs_one_failure_then_answers_at_once(mooncake_fleet: Fleet, store: object) -> None:
     keys = [key(1000 + i) for i in range(60)]
     writer = write(mooncake_fleet, keys)

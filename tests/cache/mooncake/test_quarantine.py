@@ -52,3 +52,26 @@ def test_probe_keys_prefer_the_latest_failures() -> None:
     q.add("h:1", ["new"])
     clock.now += 1.0
     assert q.due_probes() == [("h:1", ["new", "old1", "old2"])]
+
+
+def test_a_late_answer_lifts_the_holder_and_outranks_failures_of_transfers_started_before_it() -> None:
+    clock = FakeClock()
+    q = Quarantine(retry_after=1.0, clock=clock)
+    assert not q.answered("h:1"), "nothing held"
+    clock.now += 1.0
+    started = clock.now
+    clock.now += 0.5
+    assert q.add("h:1", ["a"], since=started)
+    clock.now += 0.1
+    assert q.answered("h:1"), "the transfer that timed out completed: re-admitted at once"
+    assert not q.holds("h:1")
+    # a failure of a transfer started before that answer does not quarantine it again...
+    assert not q.add("h:1", ["b"], since=started)
+    assert not q.add("h:1", ["b"], since=clock.now)
+    assert not q
+    # ...one started after it does, as does a failure that says nothing of when it started
+    clock.now += 0.1
+    assert q.add("h:1", ["c"], since=clock.now)
+    q.lift("h:1")
+    assert q.add("h:1", ["d"])
+    assert q.add("h:2", ["e"], since=started), "another holder's late answer is its own"

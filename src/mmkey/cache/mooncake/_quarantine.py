@@ -4,7 +4,9 @@ A read of an entry on a hung holder blocks inside Mooncake for up to 30 s (Moonc
 the first replica the master lists and does not fail over within a call). Once a transfer
 from a holder (named by its transfer endpoint, ``"host:port"``) timed out or failed, reads
 that would go to it are misses at once. Every `retry_after` seconds one probe per holder
-checks whether it answers again (or the master no longer lists it); either lifts it.
+checks whether it answers again (or the master no longer lists it); either lifts it. So does
+a transfer that timed out and then completed: on a busy host a healthy holder's transfer can
+miss a short deadline, and its late answer proves the holder works.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ class Quarantine:
         self._retry_after = retry_after
         self._clock = clock
         self._held: dict[str, _Held] = {}
+        self._answered: dict[str, float] = {}  # when each holder last completed a late transfer
         self._lock = threading.Lock()
 
-    def add(self, endpoint: str, keys: Sequence[str]) -> bool:
+    def add(self, endpoint: str, keys: Sequence[str], *, since: float | None = None) -> bool:
         """Quarantine `endpoint` (a transfer to it failed; `keys` were read from it); whether
-        it was newly added."""
+        it was newly added. A holder that completed a late transfer at or after `since` (when
+        the failed transfer started) is not quarantined: it answered after that transfer began."""
         with self._lock:
+            if since is not None and self._answered.get(endpoint, float("-inf")) >= since:
+                return False
             held = self._held.get(endpoint)
             if held is not None:
                 held.keys = list(dict.fromkeys([*keys, *held.keys]))[:_PROBE_KEYS]
@@ -54,6 +60,13 @@ class Quarantine:
         """Re-admit `endpoint`."""
         with self._lock:
             self._held.pop(endpoint, None)
+
+    def answered(self, endpoint: str) -> bool:
+        """A transfer from `endpoint` that its caller gave up on completed in full: re-admit
+        it, and quarantine it again only for a transfer started after now; whether it was held."""
+        with self._lock:
+            self._answered[endpoint] = self._clock()
+            return self._held.pop(endpoint, None) is not None
 
     def holds(self, endpoint: str) -> bool:
         """Whether `endpoint` is quarantined."""

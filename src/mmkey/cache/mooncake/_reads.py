@@ -49,9 +49,6 @@ _GROUPED_S = 60.0
 """How long after a failed transfer reads look up each key's holder first."""
 
 
-def _release(staging: Staging, _: object) -> None:
-    """Release the lease an abandoned transfer returned with."""
-    staging.lease.release()
 
 
 def _read_from(replicas: Sequence[ReplicaDescriptor]) -> str | None:
@@ -120,7 +117,7 @@ class Reader:
             return
         too_big: dict[str, list[str]] = {}
         taken: set[int] = set()
-        inflight: deque[tuple[str, list[str], int, Pending[tuple[memoryview, list[int]]]]] = deque()
+        inflight: deque[tuple[str, list[str], int, float, Pending[tuple[memoryview, list[int]]]]] = deque()
 
         def submit_more() -> None:
             moving = {endpoint for endpoint, *_ in inflight}  # one transfer per holder at a time
@@ -138,19 +135,23 @@ class Reader:
                     groups[endpoint] = pending
                 slot = min(slots.slot_for(len(chunk)), aligned(max(map(bound, chunk))))
                 work = functools.partial(_transfer_on_worker, chunk=chunk, slot=slot, give_up=give_up)
-                inflight.append((endpoint, chunk, slot, self._parts.transport.submit(lane, work)))
+                submitted = time.monotonic()
+                inflight.append((endpoint, chunk, slot, submitted, self._parts.transport.submit(lane, work)))
 
         submit_more()
         if groups and not inflight and time.monotonic() < give_up:
             self._parts.skipped("every transfer lane stuck")
         while inflight:
-            endpoint, chunk, slot, pending_transfer = inflight.popleft()
+            endpoint, chunk, slot, submitted, pending_transfer = inflight.popleft()
             lane = pending_transfer.lane
             outcome = self._parts.transport.finish(
-                pending_transfer, give_up, abandoned=functools.partial(_release, lane.staging)
+                pending_transfer,
+                give_up,
+                abandoned=functools.partial(self._answered_late, endpoint, chunk, lane.staging),
             )
             if isinstance(outcome, BaseException):
-                self._holder_failed(endpoint, chunk, outcome)
+                if not pending_transfer.future.cancelled():  # a cancelled one never asked the holder
+                    self._holder_failed(endpoint, chunk, outcome, submitted)
                 groups.pop(endpoint, None)
                 continue  # the lane stays taken: it may still be stuck
             failed = self._decode_chunk(
@@ -158,7 +159,7 @@ class Reader:
             )
             taken.discard(self._parts.transport.lanes.index(lane))
             if failed:
-                self._holder_failed(endpoint, failed, TransferFailed("transfer failed"))
+                self._holder_failed(endpoint, failed, TransferFailed("transfer failed"), submitted)
                 groups.pop(endpoint, None)
             submit_more()
         for endpoint, large in too_big.items():
@@ -168,9 +169,10 @@ class Reader:
             work_large = functools.partial(
                 self._read_large_on_worker, texts=large, give_up=give_up, bound=bound
             )
+            submitted = time.monotonic()
             got = self._parts.transport.finish(self._parts.transport.submit(large_lane, work_large), give_up)
             if isinstance(got, BaseException):
-                self._holder_failed(endpoint, large, got)
+                self._holder_failed(endpoint, large, got, submitted)
                 continue
             buffers, oversized = got
             for text, size in oversized.items():
@@ -244,18 +246,44 @@ class Reader:
         lane.staging.slots.observe(largest)
         return failed
 
-    def _holder_failed(self, endpoint: str, keys: list[str], why: BaseException) -> None:
-        """A transfer of `keys` from `endpoint` timed out or failed: quarantine the holder.
+    def _answered_late(
+        self, endpoint: str, keys: list[str], staging: Staging, moved: tuple[memoryview, list[int]]
+    ) -> None:
+        """A transfer of `keys` its caller gave up on returned: release its staging buffer,
+        and re-admit its holder if no entry failed to move (it was slow, not stuck). With the
+        holder unknown, a lookup on the metadata lane names the holders of `keys`."""
+        staging.lease.release()
+        if any(code in TRANSFER_FAILURES for code in moved[1]):
+            return
+        if endpoint != _UNKNOWN:
+            self._readmit(endpoint)
+            return
+
+        def readmit_holders(store: MooncakeDistributedStore) -> None:
+            placed = store.batch_get_replica_desc(keys)
+            for holder in {_read_from(placed.get(k, ())) for k in keys} - {None}:
+                self._readmit(holder or "")
+
+        self._parts.transport.background(readmit_holders)
+
+    def _readmit(self, endpoint: str) -> None:
+        if self._parts.transport.quarantine.answered(endpoint):
+            LOG.warning("Mooncake holder %s re-admitted: a transfer that timed out completed", endpoint)
+
+    def _holder_failed(self, endpoint: str, keys: list[str], why: BaseException, submitted: float) -> None:
+        """A transfer of `keys` from `endpoint`, submitted at `submitted`, timed out or
+        failed: quarantine the holder, unless it completed a late transfer since.
 
         With the holder unknown (`_UNKNOWN`: read before any failure), reads look holders
         up for the next `_GROUPED_S` seconds, and a lookup on the metadata lane, queued
-        ahead of any later read's own, quarantines the keys' holder if they share one.
+        ahead of any later read's own, quarantines the keys' holder if they share one and it
+        completed no late transfer since this one started.
         """
         if not isinstance(why, (CallTimeout, TransferFailed)):
             return
         self._grouped_until = time.monotonic() + _GROUPED_S
         if endpoint != _UNKNOWN:
-            self._quarantine(endpoint, keys, why)
+            self._quarantine(endpoint, keys, why, submitted)
             return
 
         failed_at = time.monotonic()
@@ -269,12 +297,12 @@ class Reader:
                 return
             holders = {_read_from(placed.get(k, ())) for k in keys} - {None}
             if len(holders) == 1:
-                self._quarantine(holders.pop() or "", keys, why)
+                self._quarantine(holders.pop() or "", keys, why, submitted)
 
         self._parts.transport.background(attribute)
 
-    def _quarantine(self, endpoint: str, keys: list[str], why: BaseException) -> None:
-        if self._parts.transport.quarantine.add(endpoint, keys):
+    def _quarantine(self, endpoint: str, keys: list[str], why: BaseException, submitted: float) -> None:
+        if self._parts.transport.quarantine.add(endpoint, keys, since=submitted):
             LOG.warning(
                 "Mooncake holder %s quarantined: a transfer %s; reads bound for it are misses "
                 "until it answers again or the master drops it",
