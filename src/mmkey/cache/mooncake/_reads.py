@@ -49,8 +49,6 @@ _GROUPED_S = 60.0
 """How long after a failed transfer reads look up each key's holder first."""
 
 
-
-
 def _read_from(replicas: Sequence[ReplicaDescriptor]) -> str | None:
     """The holder a read goes to: the first in-memory replica the master lists (Mooncake
     reads that one and does not fail over within a call); ``None`` when there is none."""
