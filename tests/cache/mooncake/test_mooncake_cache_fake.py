@@ -8,6 +8,7 @@ the same assertions against both).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -191,6 +192,36 @@ def test_a_paused_holder_is_quarantined_and_its_late_transfer_lands_in_staging_o
         assert torch.equal(target, torch.zeros(4))  # ... in staging, never in the caller's target
         assert wait_until(lambda: cache.get_embeddings([a])[0] is not None, 10)  # re-admitted
         assert cache.health().quarantined == ()
+
+
+def test_only_holders_that_were_asked_are_quarantined_and_a_late_answer_readmits_them(
+    master: FakeMooncakeMaster, holders: tuple[Holder, Holder]
+) -> None:
+    paused, healthy = holders
+    stuck_keys, b = [key(80), key(81), key(82)], key(83)
+    for k in stuck_keys:
+        paused.write(k, torch.ones(4))
+    healthy.write(b, torch.full((4,), 2.0))
+    with make_cache(master, global_segment_size=0, timeout=1.0, retry_after=3600.0) as cache:
+        master.pause_holder(paused.endpoint)
+        readers = [threading.Thread(target=cache.get_embeddings, args=([k],)) for k in stuck_keys]
+        for t in readers:
+            t.start()  # one transfer per lane, each stuck on the paused holder
+        assert wait_until(lambda: master.calls["batch_get_into"] == len(stuck_keys), 10)
+        # every lane busy within its timeout: this read queues behind one and gives up before
+        # its transfer starts, so the healthy holder was never asked and is not to blame
+        assert cache.get_embeddings([b]) == [None]
+        for t in readers:
+            t.join(10)
+        assert wait_until(lambda: cache.health().quarantined == (paused.endpoint,), 10)
+        cache.batch_is_exist([b])  # behind any lookup that would quarantine a holder
+        assert cache.health().quarantined == (paused.endpoint,)
+        assert master.calls["batch_get_into"] == len(stuck_keys)
+        master.resume_holder(paused.endpoint)  # the stuck transfers complete, late
+        # that alone re-admits the holder: no probe is due for an hour
+        assert wait_until(lambda: cache.health().quarantined == (), 10)
+        got = cache.get_embeddings([*stuck_keys, b])
+        assert all(g is not None for g in got)
 
 
 def test_an_unreachable_holder_is_quarantined_then_readmitted(
