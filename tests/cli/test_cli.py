@@ -1,4 +1,11 @@
-"""The ``mmkey`` command, run as a user runs it: a subprocess, its exit status and output."""
+"""The ``mmkey`` command: its exit status and output, as a user sees them.
+
+Most commands run in this process through click's runner (stdout and stderr apart; an
+exception the command does not handle fails the test with its traceback), which spares each
+run a fresh interpreter importing torch. The console script, ``python -m mmkey``, the main
+job (``mmkey demo``), and what must hold in a fresh interpreter (no torch for ``mmkey key``,
+the message without the ``cli`` extra) run as subprocesses, as a user runs them.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +14,53 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 from mmkey import EmbeddingKey, HashScheme, Modality, hash_tensor, mm_hash
+from mmkey.cli import cli
 from mmkey.encoder import hashes_from_features
 from mmkey.testing.mooncake_master import MasterProcess
 
 KEY = EmbeddingKey("qwen2-vl-7b@rev1", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(12345))
 SGLANG_KEY = EmbeddingKey("m", Modality.AUDIO, HashScheme.SGLANG, mm_hash(2**64 - 1))
+TERMINAL = {"COLUMNS": "200", "NO_COLOR": "1"}
+"""A wide, plain terminal."""
 
 
-def mmkey(
-    *args: str, stdin: str | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m mmkey ARGS`` with a wide, plain terminal."""
-    environ = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})}
-    return subprocess.run(
+class Ran(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def mmkey(*args: str, stdin: str | None = None, env: Mapping[str, str | None] | None = None) -> Ran:
+    """Run ``mmkey ARGS`` in this process (``None`` in `env` unsets a variable)."""
+    environ = {**TERMINAL, **(env or {})}
+    runner = CliRunner()
+    result = runner.invoke(cli, list(args), stdin, environ, catch_exceptions=False, prog_name="mmkey")
+    return Ran(result.exit_code, result.stdout, result.stderr)
+
+
+def mmkey_process(*args: str) -> Ran:
+    """Run ``python -m mmkey ARGS`` in a fresh interpreter."""
+    proc = subprocess.run(
         [sys.executable, "-m", "mmkey", *args],
-        input=stdin,
         capture_output=True,
         text=True,
         timeout=120,
-        env=environ,
+        env={**os.environ, **TERMINAL},
     )
+    return Ran(proc.returncode, proc.stdout, proc.stderr)
 
 
-def assert_one_clean_error_line(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
+def assert_one_clean_error_line(proc: Ran, *fragments: str) -> None:
     assert proc.returncode == 2, proc
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -46,7 +70,7 @@ def assert_one_clean_error_line(proc: subprocess.CompletedProcess[str], *fragmen
 
 
 def test_help_lists_the_commands_and_the_console_script_is_installed() -> None:
-    proc = mmkey("--help")
+    proc = mmkey_process("--help")
     assert proc.returncode == 0
     for command in ("demo", "key", "hash", "bench"):
         assert command in proc.stdout
@@ -200,7 +224,7 @@ def test_hash_of_an_unreadable_file_is_one_line_and_exit_status_2(tmp_path: Path
 
 
 def test_demo_runs_the_main_job_and_prints_a_summary() -> None:
-    proc = mmkey("demo", "--requests", "6", "--pool", "3")
+    proc = mmkey_process("demo", "--requests", "6", "--pool", "3")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for row in (
@@ -233,14 +257,8 @@ def _row(table: str, name: str) -> str:
 
 
 def test_demo_on_mooncake_without_a_master_says_how_to_name_one() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mmkey", "demo", "--store", "mooncake"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("MOONCAKE_")}
+    proc = mmkey("demo", "--store", "mooncake", env=unset)
     assert proc.returncode == 2 and "MOONCAKE_MASTER" in proc.stderr
     assert "Traceback" not in proc.stderr
 
