@@ -11,8 +11,9 @@ from mmkey import EmbeddingKey, HashScheme, InvalidKey, Modality, mm_hash
 from mmkey.testing.strategies import embedding_keys, key_texts
 
 ALPHABET = re.compile(r"[A-Za-z0-9._~%@-]+")
-# 3000 examples under the `ci` profile; `make check` (the `quick` profile) runs 30 times its own
-MANY = settings(max_examples=30 * settings().max_examples)
+# 10 times the profile's examples: 1000 under `ci`, whose derandomized inputs are the same on
+# every run (new ones come from `dev` runs, which draw afresh each time), 100 under `quick`
+MANY = settings(max_examples=10 * settings().max_examples)
 
 
 def near_keys() -> st.SearchStrategy[str]:

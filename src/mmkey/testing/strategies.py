@@ -7,6 +7,7 @@ values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -65,7 +66,14 @@ def modalities() -> st.SearchStrategy[Modality]:
 
 def digests(scheme: HashScheme | None = None) -> st.SearchStrategy[MMHash]:
     """Valid digests for ``scheme`` (128-bit when None), edges included."""
-    bits = 128 if scheme is None else scheme.bits
+    return _digests(128 if scheme is None else scheme.bits)
+
+
+# Built once: `embedding_keys` draws from these on every example, and a strategy built anew
+# each time is validated anew (the namespace regex compiled again): that was most of the cost
+# of an example.
+@functools.cache
+def _digests(bits: int) -> st.SearchStrategy[MMHash]:
     top = (1 << bits) - 1
     return st.one_of(
         st.sampled_from([0, 1, top, 1 << (bits - 1), top >> 4]),
@@ -75,6 +83,11 @@ def digests(scheme: HashScheme | None = None) -> st.SearchStrategy[MMHash]:
 
 def namespaces() -> st.SearchStrategy[str]:
     """Valid namespaces: any Unicode text of 1 to 256 characters, hostile cases favoured."""
+    return _namespaces()
+
+
+@functools.cache
+def _namespaces() -> st.SearchStrategy[str]:
     return st.one_of(
         st.sampled_from(HOSTILE_NAMESPACES),
         st.text(st.characters(codec="utf-8"), min_size=1, max_size=MAX_NAMESPACE_CHARS),
