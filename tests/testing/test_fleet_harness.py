@@ -197,6 +197,19 @@ def test_bad_arguments(fleet_runs_here: None) -> None:
         pass
     with pytest.raises(TypeError, match="holders"), running_fleet(-1):
         pass
+    for ttl in (0, 2.5, True, "3"):
+        with pytest.raises(TypeError, match="client_ttl"), running_fleet(1, client_ttl=ttl):  # type: ignore[arg-type]
+            pass
+
+
+def test_a_short_client_ttl_drops_a_killed_holder_sooner(fleet_runs_here: None) -> None:
+    with running_fleet(2, client_ttl=2) as fleet:
+        fleet.holders[0].kill()
+        killed = time.monotonic()
+        # the master's own TTL is 10 s: gone well before that, the healthy holder kept
+        assert fleet.wait_segments(1, timeout=7.0)
+        assert time.monotonic() - killed < 7.0
+        assert fleet.holders[1].segment in fleet.segments()
 
 
 def test_holder_spec_command_line() -> None:

@@ -518,7 +518,7 @@ class Fleet:
 
     def wait_segments(self, expected: int, timeout: float = 30.0) -> bool:
         """Wait until the master lists exactly ``expected`` segments (it drops a dead holder's
-        after about 10 s); ``False`` if ``timeout`` passes first."""
+        after its client TTL, 10 s by default); ``False`` if ``timeout`` passes first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if len(_master_segments(self._master)) == expected:
@@ -549,16 +549,23 @@ def running_fleet(
     segment_size: int = 64 << 20,
     netns: bool = False,
     timeout: float = 15.0,
+    client_ttl: int | None = None,
 ) -> Iterator[Fleet]:
     """Run a master and ``holders`` holder processes for the duration of the ``with`` block.
 
     ``segment_size`` is the memory each holder lends (bytes). ``netns=True`` puts each holder
-    in a network namespace of its own (see `netns_unavailable_reason`). Everything started is
-    stopped by PID and every namespace removed on exit, also when the block raises.
+    in a network namespace of its own (see `netns_unavailable_reason`). ``client_ttl`` is how
+    many seconds the master keeps a holder (or client) that stopped answering its pings before
+    it drops its segment (``mooncake_master --client_ttl``; ``None``: the master's own 10 s):
+    a shorter one shortens tests that wait for a killed holder to be dropped. Everything
+    started is stopped by PID and every namespace removed on exit, also when the block raises.
     """
     count: object = holders
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise TypeError(f"holders must be a count (int >= 0), got {holders!r}")
+    ttl: object = client_ttl
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+        raise TypeError(f"client_ttl must be whole seconds (int >= 1) or None, got {client_ttl!r}")
     reason = fleet_unavailable_reason()
     if reason is not None:
         raise FileNotFoundError(reason)
@@ -572,7 +579,8 @@ def running_fleet(
     try:
         network = _TestNetwork() if netns else None
         host = network.host_address if network is not None else HOST
-        with running_master(timeout=timeout, host=host) as master:
+        extra_args = () if client_ttl is None else (f"--client_ttl={client_ttl}",)
+        with running_master(timeout=timeout, host=host, extra_args=extra_args) as master:
 
             def make_holder(index: int) -> HolderProcess:
                 if network is None:
