@@ -219,7 +219,8 @@ class FakeMooncakeMaster:
             self._faults[method] = _Fault(code, times)
 
     def delay(self, method: str, seconds: float) -> None:
-        """Every later call of ``method`` sleeps ``seconds`` first (0 ends it)."""
+        """Every later call of ``method`` sleeps ``seconds`` first (0 ends it); ``"ping"``
+        delays the master's answer to the liveness probe on its RPC port."""
         with self._lock:
             if seconds > 0:
                 self._delays[method] = seconds
@@ -334,6 +335,10 @@ class FakeMooncakeMaster:
                             break
                         request += chunk
                     if len(request) == _REQUEST.size and self._alive:
+                        with self._lock:
+                            delay = self._delays.get("ping", 0.0)
+                        if delay:
+                            time.sleep(delay)
                         seq = _REQUEST.unpack(request)[4]
                         conn.sendall(_REPLY.pack(_MAGIC, 0, 0, 0, seq, 0, 0))
                 except OSError:

@@ -171,6 +171,22 @@ def test_a_slow_metadata_call_is_cut_off_at_the_deadline(master: FakeMooncakeMas
         assert master.calls["batch_is_exist"] == 1
 
 
+def test_a_master_slow_to_answer_the_probe_is_not_taken_for_dead(master: FakeMooncakeMaster) -> None:
+    # after a timed-out call the cache asks the master before the next one; on a busy host a
+    # live master's answer can take longer than 0.2 s, and that must not open the breaker
+    with make_cache(master, timeout=2.0) as cache:
+        assert cache.insert_batch([key(55)], [torch.ones(2)]) == [True]
+        master.delay("batch_get_into", 3.0)
+        assert cache.get_embeddings([key(55)]) == [None]  # cut off: the master is now suspect
+        master.delay("batch_get_into", 0)
+        assert wait_until(lambda: cache.health().busy_lanes == 0, 10)
+        master.delay("ping", 0.5)
+        got = cache.get_embeddings([key(55)])[0]
+        assert got is not None and torch.equal(got, torch.ones(2))
+        assert not cache.health().breaker_open
+        master.delay("ping", 0)
+
+
 def test_a_paused_holder_is_quarantined_and_its_late_transfer_lands_in_staging_only(
     master: FakeMooncakeMaster, holders: tuple[Holder, Holder]
 ) -> None:

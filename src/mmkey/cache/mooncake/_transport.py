@@ -257,7 +257,9 @@ class StoreTransport:
             return False
         if self._store is None:
             return self.connect(give_up)
-        if self._suspect and not self.master_answers(min(give_up - time.monotonic(), 0.2)):
+        # up to a second of the call's own time: a master that answers at all is alive, and on
+        # a busy host a live master's answer can take longer than a fifth of a second
+        if self._suspect and not self.master_answers(min(give_up - time.monotonic(), _PING_S)):
             self.fail()
             return False
         return True
