@@ -218,7 +218,9 @@ def test_only_holders_that_were_asked_are_quarantined_and_a_late_answer_readmits
     for k in stuck_keys:
         paused.write(k, torch.ones(4))
     healthy.write(b, torch.full((4,), 2.0))
-    with make_cache(master, global_segment_size=0, timeout=1.0, retry_after=3600.0) as cache:
+    # a timeout long enough for the three readers to be under way together on a loaded host:
+    # one cut off before the others start quarantines the holder, and they never ask it
+    with make_cache(master, global_segment_size=0, timeout=4.0, retry_after=3600.0) as cache:
         master.pause_holder(paused.endpoint)
         readers = [threading.Thread(target=cache.get_embeddings, args=([k],)) for k in stuck_keys]
         for t in readers:
