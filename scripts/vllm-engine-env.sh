@@ -9,7 +9,13 @@ venv=${1:-.venv-vllm-engine}
 python=${VLLM_ENGINE_PYTHON:-python3.11}
 torch_pin=${TORCH_PIN:-torch==2.13.0}
 rm -rf "$venv"
-"$python" -m venv "$venv"
+# pip only where it installs something (no uv given, or torch from pip's configuration): the
+# venv module's bundled pip costs seconds of CPU that uv never needs
+if [ -n "${UV:-}" ] && [ -n "${TORCH_FROM:-}" ]; then
+    "$python" -m venv --without-pip "$venv"
+else
+    "$python" -m venv "$venv"
+fi
 # uv: the Makefile's ($UV), else one installed into the environment
 uv=${UV:-}
 if [ -z "$uv" ]; then
