@@ -187,6 +187,28 @@ def test_a_master_slow_to_answer_the_probe_is_not_taken_for_dead(master: FakeMoo
         master.delay("ping", 0)
 
 
+def test_a_lookup_that_gave_up_queued_behind_others_does_not_open_the_breaker(
+    master: FakeMooncakeMaster, holders: tuple[Holder, Holder]
+) -> None:
+    # the metadata lane is shared by every caller: a lookup cut off while it still waited for
+    # the lane never reached the master, which says nothing about the master
+    paused, healthy = holders
+    a, b = key(90), key(91)
+    paused.write(a, torch.ones(4))
+    healthy.write(b, torch.ones(4))
+    with make_cache(master, global_segment_size=0, timeout=1.0, retry_after=3600.0) as cache:
+        master.pause_holder(paused.endpoint)
+        master.delay("batch_get_replica_desc", 2.5)
+        # cut off; which holder failed is then asked on the metadata lane (2.5 s, in the background)
+        assert cache.get_embeddings([a]) == [None]
+        # this read asks which holder holds `b` first: its lookup waits behind that one, in vain
+        assert cache.get_embeddings([b]) == [None]
+        assert not cache.health().breaker_open
+        master.delay("batch_get_replica_desc", 0)
+        assert wait_until(lambda: cache.get_embeddings([b])[0] is not None, 10)
+        master.resume_holder(paused.endpoint)
+
+
 def test_a_paused_holder_is_quarantined_and_its_late_transfer_lands_in_staging_only(
     master: FakeMooncakeMaster, holders: tuple[Holder, Holder]
 ) -> None:

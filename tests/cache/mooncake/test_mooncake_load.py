@@ -66,14 +66,16 @@ def test_inserts_under_load_store_every_entry(
             # lane busy, or the breaker open, for a while after it returned (seen: the second
             # insert then stored 0 of 256 while the raw put took 0.07 s)
             assert wait_until(lambda: cache.health() == CacheHealth(), 60), cache.health()
+            # the raw puts bracket the insert: a host too busy for the binding itself at either
+            # end (other work on the machine comes and goes) is no verdict on the cache
+            raw_before_s = timed_raw_put(raw, f"raw-before-{attempt}", blobs)
             stored = cache.insert_batch(keys, tensors)  # the first right after construction
-            start = time.monotonic()
-            assert raw.put_batch([f"raw-{attempt}-{i}" for i in range(ENTRIES)], blobs) == 0
-            raw_s = time.monotonic() - start
+            raw_s = max(raw_before_s, timed_raw_put(raw, f"raw-{attempt}", blobs))
             if raw_s < TIMEOUT / 2:
                 checked += 1
                 assert stored == [True] * ENTRIES, (
-                    f"{attempt} insert: {sum(stored)}/{ENTRIES} stored while the raw put took {raw_s:.3f} s"
+                    f"{attempt} insert: {sum(stored)}/{ENTRIES} stored while the raw puts "
+                    f"took at most {raw_s:.3f} s"
                 )
                 got = cache.get_embeddings(keys)
                 assert all(g is None or torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
@@ -87,6 +89,13 @@ def test_inserts_under_load_store_every_entry(
                     )
     if not checked:
         pytest.skip("the host was too busy for the raw binding itself (put over half the timeout)")
+
+
+def timed_raw_put(raw: Any, prefix: str, blobs: list[bytes]) -> float:
+    """Seconds the raw binding takes to put `blobs` under new keys."""
+    start = time.monotonic()
+    assert raw.put_batch([f"{prefix}-{i}" for i in range(len(blobs))], blobs) == 0
+    return time.monotonic() - start
 
 
 def recording_class(sizes: list[int]) -> type[Any]:

@@ -267,17 +267,26 @@ class StoreTransport:
     def meta(self, fn: Callable[[MooncakeDistributedStore], T], give_up: float) -> T | None:
         """`fn(store)` on the metadata lane, waited for until `give_up` (a monotonic time).
 
-        ``None`` when it failed (counted): store errors and timeouts also open the breaker;
-        other exceptions of `fn` are only counted.
+        ``None`` when it failed (counted): store errors and timeouts of a call the lane had
+        started also open the breaker; a call still queued behind other callers' lookups when
+        `give_up` came is a skip (the master was not asked), other exceptions of `fn` are only
+        counted.
         """
         if self._meta.is_stuck(self._config.timeout):
             self._on_skip()
             return None
         if not self.ready(give_up):
             return None
+        call = self._meta.submit(functools.partial(self._run, fn))
         try:
-            result = self._meta.call(functools.partial(self._run, fn), give_up - time.monotonic())
+            result = self._meta.wait_for(call, give_up - time.monotonic())
         except StoreClosed:
+            return None
+        except CallTimeout:
+            if call.cancelled():  # queued behind other callers' lookups: the master was not asked
+                self._on_skip()
+            else:
+                self.fail()
             return None
         except StoreError:
             self.fail()
