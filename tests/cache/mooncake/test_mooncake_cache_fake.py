@@ -80,6 +80,15 @@ def holders(master: FakeMooncakeMaster) -> Iterator[tuple[Holder, Holder]]:
         h.store.close()
 
 
+def one_on_each(holders: tuple[Holder, Holder], first: int) -> tuple[EmbeddingKey, EmbeddingKey]:
+    """Keys `first` and `first + 1`, the one's entry (ones) on the first holder, the other's on
+    the second."""
+    a, b = key(first), key(first + 1)
+    holders[0].write(a, torch.ones(4))
+    holders[1].write(b, torch.ones(4))
+    return a, b
+
+
 def test_round_trip_through_every_path(cache: MooncakeCache, master: FakeMooncakeMaster) -> None:
     keys = [key(1), key(2)]
     tensors = [torch.randn(4, 8), torch.arange(6, dtype=torch.int32)]
@@ -194,10 +203,8 @@ def test_a_lookup_that_gave_up_queued_behind_others_does_not_open_the_breaker(
 ) -> None:
     # the metadata lane is shared by every caller: a lookup cut off while it still waited for
     # the lane never reached the master, which says nothing about the master
-    paused, healthy = holders
-    a, b = key(90), key(91)
-    paused.write(a, torch.ones(4))
-    healthy.write(b, torch.ones(4))
+    paused, _ = holders
+    a, b = one_on_each(holders, 90)
     with make_cache(master, global_segment_size=0, timeout=2.0, retry_after=3600.0) as cache:
         master.pause_holder(paused.endpoint)
         master.delay("batch_get_replica_desc", 4.0)
@@ -269,10 +276,8 @@ def test_only_holders_that_were_asked_are_quarantined_and_a_late_answer_readmits
 def test_an_unreachable_holder_is_quarantined_then_readmitted(
     master: FakeMooncakeMaster, holders: tuple[Holder, Holder]
 ) -> None:
-    lost, healthy = holders
-    a, b = key(70), key(71)
-    lost.write(a, torch.ones(4))
-    healthy.write(b, torch.ones(4))
+    lost, _ = holders
+    a, b = one_on_each(holders, 70)
     with make_cache(master, global_segment_size=0, retry_after=0.05) as cache:
         master.make_unreachable(lost.endpoint)
         assert cache.get_embeddings([a])[0] is None
