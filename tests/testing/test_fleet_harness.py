@@ -205,10 +205,8 @@ def test_bad_arguments(fleet_runs_here: None) -> None:
 def test_a_short_client_ttl_drops_a_killed_holder_sooner(fleet_runs_here: None) -> None:
     with running_fleet(2, client_ttl=2) as fleet:
         fleet.holders[0].kill()
-        killed = time.monotonic()
         # the master's own TTL is 10 s: gone well before that, the healthy holder kept
         assert fleet.wait_segments(1, timeout=7.0)
-        assert time.monotonic() - killed < 7.0
         assert fleet.holders[1].segment in fleet.segments()
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import os
 import statistics
 import threading
 import time
@@ -30,11 +29,10 @@ from mmkey.cache.aio import AsyncCache
 from mmkey.testing.fleet import (
     Fleet,
     HolderProcess,
-    fleet_unavailable_reason,
     replica_endpoints,
     running_fleet,
 )
-from mmkey.testing.pytest_plugin import REQUIRE_ENV
+from mmkey.testing.pytest_plugin import _require_fleet
 from tests._support import raw_client, wait_until
 
 pytestmark = pytest.mark.mooncake
@@ -53,11 +51,7 @@ DROPS_A_HOLDER = pytest.mark.parametrize("mooncake_fleet", [DROP_TTL_S], indirec
 
 
 def fleet_of(holders: int, client_ttl: int | None = None) -> Iterator[Fleet]:
-    reason = fleet_unavailable_reason()
-    if reason is not None:
-        if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
-            pytest.fail(f"{REQUIRE_ENV} is set but {reason}", pytrace=False)
-        pytest.skip(reason)
+    _require_fleet()  # skips (fails under MMKEY_REQUIRE_MOONCAKE) as the plugin's fixtures do
     with running_fleet(holders=holders, client_ttl=client_ttl) as fleet:
         yield fleet
 

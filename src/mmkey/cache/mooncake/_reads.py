@@ -55,6 +55,12 @@ def _read_from(replicas: Sequence[ReplicaDescriptor]) -> str | None:
     return next(iter(memory_endpoints(replicas)), None)
 
 
+def _holders_of(store: MooncakeDistributedStore, keys: list[str]) -> set[str]:
+    """The holders reads of `keys` go to now (the master asked)."""
+    placed = store.batch_get_replica_desc(keys)
+    return {holder for k in keys if (holder := _read_from(placed.get(k, ()))) is not None}
+
+
 class Reader:
     """Schedules the reads of one `MooncakeCache` over its transport.
 
@@ -258,9 +264,8 @@ class Reader:
             return
 
         def readmit_holders(store: MooncakeDistributedStore) -> None:
-            placed = store.batch_get_replica_desc(keys)
-            for holder in {_read_from(placed.get(k, ())) for k in keys} - {None}:
-                self._readmit(holder or "")
+            for holder in _holders_of(store, keys):
+                self._readmit(holder)
 
         self._parts.transport.background(readmit_holders)
 
@@ -290,12 +295,11 @@ class Reader:
             left = failed_at + self._parts.config.timeout - time.monotonic()
             if left <= 0 or not self._parts.transport.master_answers(left):
                 return  # stale (the store may have changed since), or the master is what failed
-            placed = store.batch_get_replica_desc(keys)
+            holders = _holders_of(store, keys)
             if time.monotonic() - failed_at > self._parts.config.timeout:
                 return
-            holders = {_read_from(placed.get(k, ())) for k in keys} - {None}
             if len(holders) == 1:
-                self._quarantine(holders.pop() or "", keys, why, submitted)
+                self._quarantine(holders.pop(), keys, why, submitted)
 
         self._parts.transport.background(attribute)
 
