@@ -137,7 +137,7 @@ VLLM_ENGINE_VENV := .venv-vllm-engine
 VLLM_ENGINE_BIN := $(VLLM_ENGINE_VENV)/bin
 VLLM_TESTS := tests/integrations/vllm/test_vllm_connector.py tests/integrations/vllm/test_vllm_stubs.py
 
-$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/vllm-engine-requirements.txt scripts/guard-torchvision.sh pyproject.toml | $(BIN)/uv
+$(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/new-venv.sh scripts/vllm-engine-requirements.txt scripts/guard-torchvision.sh pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh
 	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" sh scripts/vllm-engine-env.sh $(VLLM_ENGINE_VENV)
 	touch $@
@@ -206,7 +206,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test_sglang_plugin.py test_sglang_keys.py \
     test_sglang_pools.py test_sglang_settings.py test_sglang_lookup.py)
 
-$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/sglang-requirements.txt scripts/sglang-requirements-cpu.txt \
+$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/new-venv.sh scripts/sglang-requirements.txt scripts/sglang-requirements-cpu.txt \
     scripts/sglang-requirements-cuda.txt scripts/guard-torchvision.sh pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh
 	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" SGLANG_PYTHON=$(SGLANG_PYTHON) sh scripts/sglang-env.sh $(SGLANG_VENV)

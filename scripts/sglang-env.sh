@@ -28,31 +28,18 @@ case $torch in
         exit 2
         ;;
 esac
-rm -rf "$venv"
-# pip only where it installs something (no uv given, or torch from pip's configuration): the
-# venv module's bundled pip costs seconds of CPU that uv never needs
-if [ -n "${UV:-}" ] && [ -n "${TORCH_FROM:-}" ]; then
-    "$python" -m venv --without-pip "$venv"
+# the CPU torch first, unless SGLang's own CUDA pin comes with its requirements below
+if [ "$torch" = cuda ]; then
+    sh scripts/new-venv.sh "$python" "$venv"
 else
-    "$python" -m venv "$venv"
+    sh scripts/new-venv.sh "$python" "$venv" "$torch_pin"
 fi
-# uv: the Makefile's ($UV), else one installed into the environment
-uv=${UV:-}
-if [ -z "$uv" ]; then
-    "$venv/bin/pip" install -q --no-cache-dir uv==0.13.9
-    uv="$venv/bin/uv"
-fi
+uv=${UV:-$venv/bin/uv}
 if [ "$torch" = cuda ]; then
     # shellcheck disable=SC2086  # $links is a list of options
     "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps --no-index $links \
         -r scripts/sglang-requirements-cuda.txt
 else
-    if [ -n "${TORCH_FROM:-}" ]; then
-        # shellcheck disable=SC2086  # several options, split on purpose
-        "$uv" pip install -q --no-cache --python "$venv/bin/python" $TORCH_FROM "$torch_pin"
-    else
-        "$venv/bin/pip" install -q --no-cache-dir "$torch_pin"
-    fi
     # shellcheck disable=SC2086  # $links is a list of options
     "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps $links \
         -r scripts/sglang-requirements-cpu.txt
