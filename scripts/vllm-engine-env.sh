@@ -13,11 +13,13 @@ uv=${UV:-$venv/bin/uv}
 "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps -r scripts/vllm-engine-requirements.txt
 "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps -e .
 sh scripts/guard-torchvision.sh "$venv"
+# the installed versions, read from their metadata: importing vLLM costs over 10 s of CPU, and
+# the tests import it anyway
 "$venv/bin/python" - <<'PY'
-import torch
-import vllm
+from importlib.metadata import version
 
-if not torch.__version__.endswith("+cpu"):
-    raise SystemExit(f"vllm-engine-env: torch {torch.__version__} is not the CPU build")
-print(f"vllm-engine-env: vllm {vllm.__version__}, torch {torch.__version__}")
+torch, vllm = version("torch"), version("vllm")
+if not torch.endswith("+cpu"):
+    raise SystemExit(f"vllm-engine-env: torch {torch} is not the CPU build")
+print(f"vllm-engine-env: vllm {vllm}, torch {torch}")
 PY

@@ -18,6 +18,7 @@ in one process, one ``SPEC.json OUT.json`` line of stdin each. The repository ro
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -72,7 +73,8 @@ def generate_kept_busy(llm: Any, inputs: list[dict[str, Any]], params: list[Any]
     return [done[request_id] for request_id in ids]
 
 
-def main(spec_path: str, out_path: str) -> None:
+def main(spec_path: str, out_path: str) -> bool:
+    """Run the spec's engine; whether it was shut down (its distributed state cleaned up)."""
     # importable by the engine's processes: the repository root is on their PYTHONPATH
     from tests.integrations.vllm.vllm_engine_model import count_tower_calls
 
@@ -96,12 +98,16 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("ec") is not None:
         kwargs["ec_transfer_config"] = ECTransferConfig(**spec["ec"])
     out: dict[str, Any] = {}
+    # What is tracked now (torch, vLLM and the rest of the imports) lives as long as the
+    # process: frozen, vLLM's many gc.collect() calls while the engine starts skip it (each
+    # scanned it in about half a second). vLLM's engine shutdown unfreezes it again.
+    gc.freeze()
     try:
         llm = LLM(**kwargs)
     except Exception as exc:
         out["start_error"] = f"{type(exc).__name__}: {exc}"
         Path(out_path).write_text(json.dumps(out))
-        return
+        return False
     llm.apply_model(count_tower_calls)
     pause = spec.get("pause_file")
     if pause:
@@ -183,13 +189,27 @@ def main(spec_path: str, out_path: str) -> None:
             connector.flush_saves(10.0)
         out["worker_totals"] = connector.totals()
     Path(out_path).write_text(json.dumps(out))
-    llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
+    if not hasattr(llm.llm_engine, "engine_core"):
+        return False
+    llm.llm_engine.engine_core.shutdown()
+    return True
+
+
+def inspect_models_here() -> None:
+    """Inspect a model class in this process. vLLM does it in a fresh Python, so that its
+    own process never initialises CUDA: on this CPU build that is one more vLLM import (over
+    10 s of CPU) for each engine whose model vLLM has not inspected yet (its answer is cached
+    in ``VLLM_CACHE_ROOT``, which the engines of a test module share)."""
+    import importlib
+
+    registry: Any = importlib.import_module("vllm.model_executor.models.registry")
+    if hasattr(registry, "_run_in_subprocess"):  # (a vLLM without it keeps its own way)
+        registry._run_in_subprocess = lambda inspect: inspect()
 
 
 def serve() -> None:
     """Run engines one after another in this process, vLLM imported once: each line of stdin
     is ``SPEC.json OUT.json``; ``done`` on stdout after each. Engine core in-process only."""
-    import gc
     import importlib
 
     replies = os.fdopen(os.dup(1), "w")  # vLLM logs to stdout: the replies get a copy of it
@@ -199,20 +219,22 @@ def serve() -> None:
     cleanup_dist_env_and_memory = importlib.import_module(
         "vllm.distributed.parallel_state"
     ).cleanup_dist_env_and_memory
+    inspect_models_here()
 
     for line in sys.stdin:
         spec_path, out_path = line.split()
         spec = json.loads(Path(spec_path).read_text())
         saved = {k: os.environ.get(k) for k in spec.get("env", {})}
         os.environ.update(spec.get("env", {}))
+        shut_down = False
         try:
-            main(spec_path, out_path)
+            shut_down = main(spec_path, out_path)
         except BaseException as exc:  # the caller finds no results and reads the log
             print(f"engine run failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         finally:
             ensure_ec_transfer_shutdown()
-            cleanup_dist_env_and_memory()
-            gc.collect()
+            if not shut_down:  # (an engine's shutdown has done this: a second full scan of the heap)
+                cleanup_dist_env_and_memory()  # unfreezes the heap and collects the engine's garbage
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
