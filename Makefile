@@ -34,7 +34,10 @@ UV_VERSION := 0.13.9
 UV := $(CURDIR)/$(BIN)/uv
 WHEEL_DIRS := $(wildcard /opt/wheels)
 TORCH_FROM := $(addprefix --find-links ,$(WHEEL_DIRS))
-export UV_NO_CACHE := 1
+# One uv cache for every environment of this checkout: torch's CPU wheel and the stacks'
+# shared packages unpack once, then each environment gets hard links (about 5 s of CPU saved
+# per environment for torch alone)
+export UV_CACHE_DIR := $(CURDIR)/.uv-cache
 export UV_NO_PROGRESS := 1
 # torch into the environment $(1): by uv from the local wheel folder, or, where this machine
 # has none, by pip (whose configuration may name where the CPU build lies)
@@ -237,5 +240,5 @@ bench-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR $(VLLM_ENGINE_BIN)/python benchmarks/bench_vllm_engine.py
 
 clean:
-	rm -rf .pycache $(VENV) $(VLLM_VENV) $(VLLM_ENGINE_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis docs/_build docs/_generated \
+	rm -rf .pycache .uv-cache $(VENV) $(VLLM_VENV) $(VLLM_ENGINE_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis docs/_build docs/_generated \
 	    .import_linter_cache .grimp_cache .ruff_cache .gpu-carry

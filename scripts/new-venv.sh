@@ -6,6 +6,8 @@
 # The venv module's bundled pip goes in only where pip installs something: it costs seconds
 # of CPU that uv never needs.
 set -eu
+# uv keeps no cache unless it is given one (make gives all the environments one: .uv-cache)
+[ -n "${UV_CACHE_DIR:-}" ] || export UV_NO_CACHE=1
 python=$1
 venv=$2
 torch_pin=${3:-}
@@ -23,7 +25,7 @@ fi
 [ -n "$torch_pin" ] || exit 0
 if [ -n "${TORCH_FROM:-}" ]; then
     # shellcheck disable=SC2086  # several options, split on purpose
-    "$uv" pip install -q --no-cache --python "$venv/bin/python" $TORCH_FROM "$torch_pin"
+    "$uv" pip install -q --python "$venv/bin/python" $TORCH_FROM "$torch_pin"
 else
     "$venv/bin/pip" install -q --no-cache-dir "$torch_pin"
 fi

@@ -6,6 +6,8 @@
 # sglang-requirements-cuda.txt from this machine's wheel folders (for a GPU machine). No cache
 # is kept outside the environment.
 set -eu
+# uv keeps no cache unless it is given one (make gives all the environments one: .uv-cache)
+[ -n "${UV_CACHE_DIR:-}" ] || export UV_NO_CACHE=1
 cd "$(dirname "$0")/.."
 venv=${1:-.venv-sglang}
 python=${SGLANG_PYTHON:-python3.11}
@@ -37,15 +39,15 @@ fi
 uv=${UV:-$venv/bin/uv}
 if [ "$torch" = cuda ]; then
     # shellcheck disable=SC2086  # $links is a list of options
-    "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps --no-index $links \
+    "$uv" pip install -q --python "$venv/bin/python" --no-deps --no-index $links \
         -r scripts/sglang-requirements-cuda.txt
 else
     # shellcheck disable=SC2086  # $links is a list of options
-    "$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps $links \
+    "$uv" pip install -q --python "$venv/bin/python" --no-deps $links \
         -r scripts/sglang-requirements-cpu.txt
 fi
-"$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps -r scripts/sglang-requirements.txt
+"$uv" pip install -q --python "$venv/bin/python" --no-deps -r scripts/sglang-requirements.txt
 if [ "$torch" = cpu ]; then
     sh scripts/guard-torchvision.sh "$venv"
 fi
-"$uv" pip install -q --no-cache --python "$venv/bin/python" --no-deps -e .
+"$uv" pip install -q --python "$venv/bin/python" --no-deps -e .
