@@ -150,8 +150,11 @@ def test_pause_resume_kill_restart(mooncake_fleet: Fleet, store: object) -> None
     assert victim.pid != old_pid and victim.is_ready()
     assert victim.segment != old_segment
     assert victim.segment in mooncake_fleet.segments()
-    # the restarted holder takes entries again
-    spread = _put_spread(store, mooncake_fleet, 60, prefix="after-restart", strict=False)
+    # Once the master has dropped the killed holder's segment (its client TTL), the restarted
+    # holder takes entries again. (Before that, a put placed on the dead segment spins a core
+    # inside the binding until its transfer fails.)
+    assert mooncake_fleet.wait_segments(2), mooncake_fleet.segments()
+    spread = _put_spread(store, mooncake_fleet, 60, prefix="after-restart")
     assert victim in spread.values()
     for key, holder in spread.items():
         if holder is victim:
