@@ -1,10 +1,10 @@
 """`MMKeyECConnector` inside a real vLLM engine (vLLM's CPU build), on a tiny random-weight LLaVA.
 
 Engines run against a real local Mooncake master and one holder process that holds every entry
-(the engines lend no memory, so entries outlive them). Engines whose core runs in-process run one
-after another in one host process that imports vLLM once (`vllm_engine_run --serve`); a run
-that needs a process of its own (the engine core in its own process, an engine paused while the
-master dies, two engines at once) gets a fresh one. A run without the connector gives the
+(the engines lend no memory, so entries outlive them). Engines run one after another in one host
+process that imports vLLM once (`vllm_engine_run --serve`); only the second of two engines at
+once gets a fresh process. The engine run that loses its master runs last, so that nothing
+after it shares the host with what it leaves behind. A run without the connector gives the
 reference tokens; runs with it must give the same tokens, token for token, whatever the store
 does. ``make test-vllm`` runs these in the environment of ``scripts/vllm-engine-env.sh``;
 elsewhere they skip.
@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -95,20 +95,29 @@ def ec_config(fleet: Fleet, role: str = "ec_both", **extra: Any) -> dict[str, An
     }
 
 
-def engine_env(multiprocessing: str = "0") -> dict[str, str]:
+def engine_env() -> dict[str, str]:
     return dict(
         os.environ,
         VLLM_TARGET_DEVICE="cpu",
         HF_HUB_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # a run's "env" may set it
         VLLM_CPU_KVCACHE_SPACE="1",
         MC_LOG_LEVEL="ERROR",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
 
 
+class HostRun(NamedTuple):
+    """An engine run handed to the host: where its results and its log lines start."""
+
+    name: str
+    out_path: Path
+    log_start: int
+
+
 class EngineHost:
-    """One process that runs in-process engines one after another, vLLM imported once."""
+    """One process that runs engines one after another, vLLM imported once (each fresh
+    process that imports vLLM costs about 10 s of CPU)."""
 
     def __init__(self, workdir: Path) -> None:
         self.log_path = workdir / "host.log"
@@ -130,22 +139,34 @@ class EngineHost:
 
     def run(self, tmp_path: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         """Run one engine; its results and the log it wrote."""
+        return self.wait(self.start(tmp_path, name, spec))
+
+    def start(self, tmp_path: Path, name: str, spec: dict[str, Any]) -> HostRun:
+        """Hand the host one engine run and return at once (`wait` for its results)."""
         spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
         spec_path.write_text(json.dumps(spec))
-        start = self.log_path.stat().st_size
+        started = HostRun(name, out_path, self.log_path.stat().st_size)
         proc = self._process()
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdin is not None
         proc.stdin.write(f"{spec_path} {out_path}\n")
         proc.stdin.flush()
+        return started
+
+    def wait(self, started: HostRun) -> dict[str, Any]:
+        """The results of a run handed over by `start`, and the log it wrote."""
+        proc = self._process()
+        assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], ENGINE_TIMEOUT_S)
         reply = proc.stdout.readline().strip() if ready else ""
         if reply != "done":
             self.close()
         with open(self.log_path, "rb") as f:
-            f.seek(start)
+            f.seek(started.log_start)
             log = f.read().decode(errors="replace")
-        assert out_path.exists(), f"engine {name} gave no results ({reply or 'no reply'}):\n{log[-4000:]}"
-        result: dict[str, Any] = json.loads(out_path.read_text())
+        assert started.out_path.exists(), (
+            f"engine {started.name} gave no results ({reply or 'no reply'}):\n{log[-4000:]}"
+        )
+        result: dict[str, Any] = json.loads(started.out_path.read_text())
         result["log"] = log
         return result
 
@@ -176,7 +197,7 @@ def run_engine(
     """Run one engine in a fresh process; its results (or the process, when `background`)."""
     spec_path = tmp_path / f"{name}.json"
     out_path = tmp_path / f"{name}.out.json"
-    env = engine_env(spec.pop("multiprocessing", "0"))
+    env = engine_env()
     env.update(spec.pop("env", {}))
     spec_path.write_text(json.dumps(spec))
     with open(tmp_path / f"{name}.log", "wb") as log:  # the child keeps its own copy
@@ -330,51 +351,6 @@ def _stored_keys(fleet: Fleet) -> list[str]:
     return [line.strip() for line in body.decode().splitlines() if line.strip()]
 
 
-def test_the_master_killed_before_the_lookup_means_every_item_is_encoded_and_outputs_equal(
-    model_dir: Path, host: EngineHost, reference: list[list[int]], tmp_path: Path
-) -> None:
-    """The master dies while the second engine is up but has not looked anything up: every
-    lookup misses, the engine encodes every image and gives the outputs of a run without the
-    connector. (The master killed between a lookup and its load: `test_vllm_connector`.)"""
-    with running_fleet(holders=1, segment_size=64 << 20) as fleet:  # its own: this test kills the master
-        master_killed_before_the_lookup(model_dir, fleet, host, reference, tmp_path)
-
-
-def master_killed_before_the_lookup(
-    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
-) -> None:
-    ns = fresh_namespace("killed")
-    first = host.run(
-        tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS}
-    )
-    assert tokens(first) == reference
-    pause = tmp_path / "go"
-    proc = run_engine(
-        tmp_path,
-        "second",
-        {
-            "model": str(model_dir),
-            "ec": ec_config(fleet, namespace=ns),
-            "prompts": PROMPTS,
-            "pause_file": str(pause),
-        },
-        background=True,
-    )
-    assert isinstance(proc, subprocess.Popen)
-    ready = Path(str(pause) + ".ready")
-    stop = time.monotonic() + ENGINE_TIMEOUT_S
-    while not ready.exists() and proc.poll() is None and time.monotonic() < stop:
-        time.sleep(0.1)
-    fleet.master.kill()
-    try:
-        pause.write_text("go")
-        second = finish(proc, tmp_path, "second")
-    finally:
-        fleet.master.restart()
-    assert tokens(second) == reference
-    assert second["tower_images"] == DISTINCT_IMAGES
-
-
 def test_counter_identifiers_are_refused_at_start(
     model_dir: Path, fleet: Fleet, host: EngineHost, tmp_path: Path
 ) -> None:
@@ -451,21 +427,70 @@ def test_the_same_checkpoint_at_another_path_shares_entries(
 
 
 def test_with_the_engine_core_in_its_own_process_outputs_are_equal_and_hits_load(
-    model_dir: Path, fleet: Fleet, stored: dict[str, str], reference: list[list[int]], tmp_path: Path
+    model_dir: Path,
+    fleet: Fleet,
+    host: EngineHost,
+    stored: dict[str, str],
+    reference: list[list[int]],
+    tmp_path: Path,
 ) -> None:
-    """vLLM's default: the engine core (scheduler and worker) in a process of its own."""
-    second = run_engine(
+    """vLLM's default: the engine core (scheduler and worker) in a process of its own, the
+    host being the engine's front end."""
+    second = host.run(
         tmp_path,
         "second",
         {
             "model": str(model_dir),
             "ec": ec_config(fleet),
             "prompts": PROMPTS,
-            "multiprocessing": "1",
             # the tower-counting hook travels
-            "env": dict(stored, VLLM_ALLOW_INSECURE_SERIALIZATION="1"),
+            "env": dict(stored, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1"),
         },
     )
-    assert isinstance(second, dict)
+    assert "(EngineCore pid=" in second["log"], "the engine core ran in the host's own process"
     assert tokens(second) == reference
     assert second["tower_images"] == 0
+
+
+def test_the_master_killed_before_the_lookup_means_every_item_is_encoded_and_outputs_equal(
+    model_dir: Path, host: EngineHost, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """The master dies while the second engine is up but has not looked anything up: every
+    lookup misses, the engine encodes every image and gives the outputs of a run without the
+    connector. (The master killed between a lookup and its load: `test_vllm_connector`.)"""
+    with running_fleet(holders=1, segment_size=64 << 20) as fleet:  # its own: this test kills the master
+        master_killed_before_the_lookup(model_dir, fleet, host, reference, tmp_path)
+
+
+def master_killed_before_the_lookup(
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
+) -> None:
+    ns = fresh_namespace("killed")
+    first = host.run(
+        tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS}
+    )
+    assert tokens(first) == reference
+    pause = tmp_path / "go"
+    started = host.start(
+        tmp_path,
+        "second",
+        {
+            "model": str(model_dir),
+            "ec": ec_config(fleet, namespace=ns),
+            "prompts": PROMPTS,
+            "pause_file": str(pause),
+        },
+    )
+    ready = Path(str(pause) + ".ready")
+    stop = time.monotonic() + ENGINE_TIMEOUT_S
+    while not ready.exists() and time.monotonic() < stop:
+        time.sleep(0.1)
+    assert ready.exists(), "the second engine never came up"
+    fleet.master.kill()
+    try:
+        pause.write_text("go")
+        second = host.wait(started)
+    finally:
+        fleet.master.restart()
+    assert tokens(second) == reference
+    assert second["tower_images"] == DISTINCT_IMAGES

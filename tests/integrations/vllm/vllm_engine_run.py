@@ -191,8 +191,8 @@ def main(spec_path: str, out_path: str) -> bool:
     Path(out_path).write_text(json.dumps(out))
     if not hasattr(llm.llm_engine, "engine_core"):
         return False
-    llm.llm_engine.engine_core.shutdown()
-    return True
+    llm.llm_engine.engine_core.shutdown()  # (an engine core of its own process: that process ends)
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # an in-process core cleaned up
 
 
 def inspect_models_here() -> None:
@@ -209,7 +209,8 @@ def inspect_models_here() -> None:
 
 def serve() -> None:
     """Run engines one after another in this process, vLLM imported once: each line of stdin
-    is ``SPEC.json OUT.json``; ``done`` on stdout after each. Engine core in-process only."""
+    is ``SPEC.json OUT.json``; ``done`` on stdout after each. A spec's ``env`` applies to its
+    run only (``VLLM_ENABLE_V1_MULTIPROCESSING=1``: this process is the engine's front end)."""
     import importlib
 
     replies = os.fdopen(os.dup(1), "w")  # vLLM logs to stdout: the replies get a copy of it
