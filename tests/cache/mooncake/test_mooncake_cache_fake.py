@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import torch
@@ -241,6 +242,10 @@ def test_a_paused_holder_is_quarantined_and_its_late_transfer_lands_in_staging_o
         assert cache.health().quarantined == ()
 
 
+def transfers_are(master: FakeMooncakeMaster, count: int) -> bool:
+    return master.calls["batch_get_into"] == count
+
+
 def test_only_holders_that_were_asked_are_quarantined_and_a_late_answer_readmits_them(
     master: FakeMooncakeMaster, holders: tuple[Holder, Holder]
 ) -> None:
@@ -249,19 +254,20 @@ def test_only_holders_that_were_asked_are_quarantined_and_a_late_answer_readmits
     for k in stuck_keys:
         paused.write(k, torch.ones(4))
     healthy.write(b, torch.full((4,), 2.0))
-    # a timeout long enough for the three readers to be under way together on a loaded host:
-    # one cut off before the others start quarantines the holder, and they never ask it
-    with make_cache(master, global_segment_size=0, timeout=4.0, retry_after=3600.0) as cache:
+    # A timeout long enough for the three readers to be under way together on a loaded host
+    # (one cut off before the others start quarantines the holder, and they never ask it):
+    # each starts once the one before has its transfer stuck.
+    with make_cache(master, global_segment_size=0, timeout=8.0, retry_after=3600.0) as cache:
         master.pause_holder(paused.endpoint)
         readers = [threading.Thread(target=cache.get_embeddings, args=([k],)) for k in stuck_keys]
-        for t in readers:
+        for started, t in enumerate(readers, 1):
             t.start()  # one transfer per lane, each stuck on the paused holder
-        assert wait_until(lambda: master.calls["batch_get_into"] == len(stuck_keys), 10)
+            assert wait_until(partial(transfers_are, master, started), 6), master.calls
         # every lane busy within its timeout: this read queues behind one and gives up before
         # its transfer starts, so the healthy holder was never asked and is not to blame
         assert cache.get_embeddings([b]) == [None]
         for t in readers:
-            t.join(10)
+            t.join(20)
         assert wait_until(lambda: cache.health().quarantined == (paused.endpoint,), 10)
         cache.batch_is_exist([b])  # behind any lookup that would quarantine a holder
         assert cache.health().quarantined == (paused.endpoint,)
