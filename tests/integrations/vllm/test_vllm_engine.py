@@ -255,6 +255,19 @@ def fresh_namespace(tag: str) -> str:
     return f"tiny-llava-test-{tag}-{time.monotonic_ns()}"
 
 
+def first_engine_stores(
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path, tag: str
+) -> str:
+    """A fresh namespace whose images a first engine with the connector stored (its outputs
+    equal the reference)."""
+    ns = fresh_namespace(tag)
+    first = host.run(
+        tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS}
+    )
+    assert tokens(first) == reference
+    return ns
+
+
 @pytest.fixture(scope="module")
 def stored(
     model_dir: Path,
@@ -297,11 +310,7 @@ def test_a_second_engine_loads_every_image_and_never_runs_the_tower(
 def test_a_corrupted_entry_is_encoded_again_and_the_engine_survives(
     model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
-    ns = fresh_namespace("corrupt")
-    first = host.run(
-        tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS}
-    )
-    assert tokens(first) == reference
+    ns = first_engine_stores(model_dir, fleet, host, reference, tmp_path, "corrupt")
     flipped = corrupt_one_entry(fleet, ns)
     assert flipped
     second = host.run(
@@ -465,11 +474,7 @@ def test_the_master_killed_before_the_lookup_means_every_item_is_encoded_and_out
 def master_killed_before_the_lookup(
     model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
-    ns = fresh_namespace("killed")
-    first = host.run(
-        tmp_path, "first", {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS}
-    )
-    assert tokens(first) == reference
+    ns = first_engine_stores(model_dir, fleet, host, reference, tmp_path, "killed")
     pause = tmp_path / "go"
     started = host.start(
         tmp_path,
