@@ -79,7 +79,8 @@ pyright: $(VENV)/.dev
 verifytypes: $(VENV)/.dev
 	$(BIN)/python scripts/verify_types.py
 
-# types on Python 3.10 and 3.13, and the torch-free tests on each of them found here
+# types on Python 3.13 (3.10, the configured version, is `make typecheck`), and the
+# torch-free tests on 3.10 and 3.13 where this machine has them
 test-matrix: $(VENV)/.dev
 	bash scripts/test-matrix.sh $(BIN)
 

@@ -4,9 +4,9 @@
 # is the CPU build (TORCH_PIN, from $TORCH_FROM's wheel folders or pip's configuration) with
 # sglang-requirements-cpu.txt; SGLANG_TORCH=cuda takes SGLang's own pin, the CUDA build, with
 # sglang-requirements-cuda.txt from this machine's wheel folders (for a GPU machine). No cache
-# is kept outside the environment.
+# is kept outside the environment unless UV_CACHE_DIR names one (make gives all the
+# environments one: .uv-cache).
 set -eu
-# uv keeps no cache unless it is given one (make gives all the environments one: .uv-cache)
 [ -n "${UV_CACHE_DIR:-}" ] || export UV_NO_CACHE=1
 cd "$(dirname "$0")/.."
 venv=${1:-.venv-sglang}
