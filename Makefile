@@ -207,24 +207,29 @@ static-checks: $(VENV)/.dev
 # own pin, the CUDA build, for scripts/gpu-check.sh on a GPU machine.
 SGLANG_PYTHON ?= python3.11
 SGLANG_VENV := .venv-sglang
+# the stamp names the torch build the environment holds: a run that wants the other one
+# rebuilds it (sglang-env.sh starts from an empty venv, stamps included)
+SGLANG_TORCH ?= cpu
+SGLANG_READY := $(SGLANG_VENV)/.ready-$(SGLANG_TORCH)
 SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test_sglang_plugin.py test_sglang_keys.py \
     test_sglang_pools.py test_sglang_settings.py test_sglang_lookup.py)
 
-$(SGLANG_VENV)/.ready: scripts/sglang-env.sh scripts/new-venv.sh scripts/sglang-requirements.txt scripts/sglang-requirements-cpu.txt \
+$(SGLANG_READY): scripts/sglang-env.sh scripts/new-venv.sh scripts/sglang-requirements.txt scripts/sglang-requirements-cpu.txt \
     scripts/sglang-requirements-cuda.txt scripts/guard-torchvision.sh pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh
-	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" SGLANG_PYTHON=$(SGLANG_PYTHON) sh scripts/sglang-env.sh $(SGLANG_VENV)
+	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" SGLANG_PYTHON=$(SGLANG_PYTHON) SGLANG_TORCH=$(SGLANG_TORCH) \
+	    sh scripts/sglang-env.sh $(SGLANG_VENV)
 	touch $@
 
 # the three stack environments (defined above), built beside the other lanes
-stack-envs: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready $(SGLANG_VENV)/.ready
+stack-envs: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready $(SGLANG_READY)
 
 test-sglang: test-sglang-stubtest test-sglang-pytest
 
-test-sglang-stubtest: $(SGLANG_VENV)/.ready
+test-sglang-stubtest: $(SGLANG_READY)
 	PYTHON=$(SGLANG_VENV)/bin/python $(FILLER) bash stubs/run_sglang_stubtest.sh
 
-test-sglang-pytest: $(SGLANG_VENV)/.ready
+test-sglang-pytest: $(SGLANG_READY)
 	MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
 	    $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider $(SGLANG_TESTS)
 
@@ -233,7 +238,7 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/bench_cache.py
 	$(BIN)/python benchmarks/bench_mooncake.py
 
-bench-sglang: $(SGLANG_VENV)/.ready
+bench-sglang: $(SGLANG_READY)
 	MC_LOG_LEVEL=ERROR $(SGLANG_VENV)/bin/python benchmarks/bench_sglang.py
 
 bench-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
