@@ -1,7 +1,11 @@
-"""The Makefile's stamps (what `make` takes as built), read from its dry runs."""
+"""The Makefile's stamps (what `make` takes as built, read from its dry runs) and the versions
+its type checks cover."""
 
 from __future__ import annotations
 
+import configparser
+import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -39,3 +43,15 @@ def test_the_sglang_environment_is_rebuilt_for_the_other_torch(
     assert ("scripts/sglang-env.sh" in planned) is rebuilt, planned
     assert (f"SGLANG_TORCH={wanted}" in planned) is rebuilt, planned
     assert f"{venv}/bin/python -m pytest" in planned
+
+
+def test_the_version_the_matrix_leaves_to_make_typecheck_is_the_oldest_both_checkers_check() -> None:
+    """`scripts/test-matrix.sh` skips the types of `mypy.ini`'s version: pyright's
+    configuration must name the same one, the oldest the project supports."""
+    mypy = configparser.ConfigParser()
+    mypy.read(ROOT / "mypy.ini")
+    pyright = json.loads((ROOT / "pyrightconfig.json").read_text())
+    oldest = re.search(r'^requires-python = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert oldest is not None
+    assert mypy["mypy"]["python_version"] == pyright["pythonVersion"]
+    assert oldest.group(1) == f">={pyright['pythonVersion']}"

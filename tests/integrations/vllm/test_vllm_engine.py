@@ -191,10 +191,8 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
         made.close()
 
 
-def run_engine(
-    tmp_path: Path, name: str, spec: dict[str, Any], *, background: bool = False
-) -> dict[str, Any] | subprocess.Popen[bytes]:
-    """Run one engine in a fresh process; its results (or the process, when `background`)."""
+def start_engine(tmp_path: Path, name: str, spec: dict[str, Any]) -> subprocess.Popen[bytes]:
+    """Start one engine in a fresh process, beside the host's (`finish` for its results)."""
     spec_path = tmp_path / f"{name}.json"
     out_path = tmp_path / f"{name}.out.json"
     env = engine_env()
@@ -207,9 +205,7 @@ def run_engine(
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    if background:
-        return proc
-    return finish(proc, tmp_path, name)
+    return proc
 
 
 def finish(proc: subprocess.Popen[bytes], tmp_path: Path, name: str) -> dict[str, Any]:
@@ -232,10 +228,9 @@ def tokens(result: dict[str, Any], round_index: int = 0) -> list[list[int]]:
     return [r["tokens"] for r in result["rounds"][round_index]]
 
 
-def assert_served(result: object, reference: list[list[int]], *, encoded: int, loaded: int) -> None:
+def assert_served(result: dict[str, Any], reference: list[list[int]], *, encoded: int, loaded: int) -> None:
     """The run's outputs equal the reference, its tower encoded `encoded` images and its
     worker loaded `loaded` embeddings from the store."""
-    assert isinstance(result, dict)
     assert tokens(result) == reference
     assert result["tower_images"] == encoded
     assert result["worker_totals"].get("loaded", 0) == loaded
@@ -373,7 +368,6 @@ def test_counter_identifiers_are_refused_at_start(
             "engine": {"mm_processor_cache_gb": 0, "enable_prefix_caching": False},
         },
     )
-    assert isinstance(result, dict)
     assert "mm_processor_cache_gb" in result.get("start_error", "") + result["log"]
     assert "rounds" not in result
 
@@ -385,7 +379,7 @@ def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
     started on the producer's ``ec_transfer_params`` at once, still loads every image."""
     ns = fresh_namespace("e-pd")
     params = tmp_path / "params.json"
-    consumer = run_engine(
+    consumer = start_engine(
         tmp_path,
         "consumer",
         {
@@ -394,7 +388,6 @@ def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
             "prompts": PROMPTS,
             "await_params": str(params),
         },
-        background=True,
     )
     producer = host.run(
         tmp_path,
@@ -406,7 +399,6 @@ def test_a_consumer_handed_a_producers_params_waits_for_its_saves(
             "publish_params": str(params),
         },
     )
-    assert isinstance(consumer, subprocess.Popen)
     assert "start_error" not in producer, producer["start_error"]
     announced = [p for p in json.loads(params.read_text()) if p]
     assert announced and all(p["mmkey"]["encoded"] for p in announced)
