@@ -18,10 +18,11 @@ hash it is asked was answered yes (found, stored, or read and verified) in the l
 skipping the hop to the cache's worker lane; a stale yes costs SGLang one failed read, after
 which it encodes, and a no, a failed read or a fault forgets the hash.
 
-Data path: the pools SGLang registers are registered with Mooncake, and a put sends each
-new entry straight from its pool pages (`MooncakeCache.insert_from`: a header sealed over
-the pages, then header and pages in one multi-buffer put); a hash the store holds already is
-read back and, when it verifies, kept instead of rewritten. A get lands entries in the
+Data path: in trusted-network mode (``MMKEY_TRUSTED_NETWORK=1``) the pools SGLang registers
+are registered with Mooncake, and a put sends each new entry straight from its pool pages
+(`MooncakeCache.insert_from`: a header sealed over the pages, then header and pages in one
+multi-buffer put); otherwise each entry is assembled in the cache's staging buffer first. A
+hash the store holds already is read back and, when it verifies, kept instead of rewritten. A get lands entries in the
 cache's own staging buffers and copies each into its pages only after it verified
 (`MooncakeCache.read_into`): Mooncake cannot cancel a transfer, so a read given up at the
 deadline may still land later, and SGLang hands the pages of a missed read to other
@@ -34,6 +35,9 @@ does ``mmkey``. Once opted in, nothing falls back to SGLang's unverified backend
 configuration error (a switch value that does not plainly say on, a missing namespace, an
 SGLang version outside the tested range, an encoder process that cannot be covered) is
 logged at ERROR and makes the store's construction raise it, so the encoder refuses to start.
+Where SGLang never runs the plugin (``SGLANG_PLUGINS`` without ``mmkey``, a plugin that failed
+to load), the guard that ``mmkey-sglang-guard.pth`` installs at an opted-in interpreter's start
+(``_mmkey_sglang_guard``, beside this package) makes SGLang's own backend fail to import.
 
 The package, each module and what it may import: ``_store`` the store (the only module that
 imports SGLang's ``EmbeddingStore`` and mmkey's Mooncake client; any module below);

@@ -36,7 +36,8 @@ def sglang_digest(text: str, hashes: HashScheme = HashScheme.SGLANG) -> tuple[Ha
     With `hashes` ``SGLANG`` (SGLang's own 64-bit hashes), ``"0"`` .. ``"18446744073709551615"``
     give `HashScheme.SGLANG` with that value; with ``BLAKE3`` canonical decimal below
     ``2**128`` gives `HashScheme.BLAKE3`. Any other text gives `HashScheme.ID` with
-    ``identifier_digest(text)``. `InvalidKey` for empty text, `TypeError` for non-text.
+    ``identifier_digest(text)``. `InvalidKey` for empty text or text with lone surrogates,
+    `TypeError` for non-text.
     """
     value: object = text
     if not isinstance(value, str):

@@ -6,6 +6,8 @@ and so does ``mmkey``. Once opted in, nothing falls back to SGLang's unverified 
 configuration error (a switch value that does not plainly say on, a missing namespace, an
 SGLang version outside the tested range, an encoder process that cannot be covered) is
 logged at ERROR and makes the store's construction raise it, so the encoder refuses to start.
+Where SGLang does not run it at all, the guard of ``_mmkey_sglang_guard`` (installed at an
+opted-in interpreter's start) keeps SGLang's own backend from loading, until `registered`.
 Imports no part of SGLang until it runs, and never the store's module.
 """
 
@@ -27,7 +29,7 @@ from mmkey.integrations.sglang._settings import (
 )
 from mmkey.integrations.sglang._spawn import check_coverage, cover_spawned_encoders
 
-__all__ = ["BACKEND_NAME", "plugin_errors", "refuse_on_plugin_errors", "register_plugin"]
+__all__ = ["BACKEND_NAME", "plugin_errors", "refuse_on_plugin_errors", "register_plugin", "registered"]
 
 BACKEND_NAME = "mmkey"
 """The backend name this store is registered under besides ``mooncake``."""
@@ -40,6 +42,12 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 _plugin_errors: list[str] | None = None
 """The configuration errors the plugin found in this process (None: it has not opted in)."""
+
+
+def registered() -> bool:
+    """Whether the plugin opted in and mapped SGLang's backends to mmkey's store in this
+    process (the guard that ``mmkey-sglang-guard.pth`` installs asks this)."""
+    return _plugin_errors is not None
 
 
 def plugin_errors() -> list[str]:
