@@ -4,10 +4,16 @@ It does what SGLang's launcher does before its encoder starts: SGLang's plugin l
 the encoder modules, then one child process per label given on the command line, each
 started with the function that the spawning module holds under that name now, as SGLang
 starts its TP ranks and DP workers (a child whose label is prefixed ``no-namespace:`` unsets
-``MMKEY_NAMESPACE`` first thing). multiprocessing runs this file again in each child (as
-``__mp_main__``) before the target is unpickled; there SGLang's entry points become `probe`,
-which reports what ``EmbeddingStoreFactory`` creates for ``mooncake`` instead of starting a
-GPU encoder. Prints one JSON object: the parent's targets and the children's reports.
+``MMKEY_NAMESPACE`` first thing, one prefixed ``namespace=NAME:`` sets it to NAME).
+multiprocessing runs this file again in each child (as ``__mp_main__``) before the target is
+unpickled; there SGLang's entry points become `probe`, which reports what
+``EmbeddingStoreFactory`` creates for ``mooncake`` instead of starting a GPU encoder. Prints
+one JSON object: the parent's targets and the children's reports.
+
+Options: ``--launcher`` reports what ``mooncake`` creates in the launcher too (after the
+children started, so they inherit the environment the launcher was given);
+``--sglang-version=V`` sets ``sglang.__version__`` to V before the plugins load, in the
+launcher only: an SGLang outside the tested range without installing one.
 
 The children start from a fork server that has imported the third-party packages SGLang's
 encoder imports (`PRELOAD`: torch, transformers and the like, about 4 s of each child's 6 s of
@@ -41,6 +47,10 @@ PRELOAD = ["torch", "torchvision", "transformers.modeling_utils", "sympy", "netw
 REPORT_TIMEOUT = 180.0
 NO_NAMESPACE = "no-namespace:"
 """A label prefix: that child unsets MMKEY_NAMESPACE before anything reads it."""
+NAMESPACE = "namespace="
+"""A label prefix ``namespace=NAME:``: that child sets MMKEY_NAMESPACE=NAME first thing."""
+ENTRY_KEY = "MMKEY_ENTRY_KEY"
+"""The fleet's MAC secret; each report says whether it was set when the store was created."""
 MMKEY_MODULE = "mmkey.integrations.sglang"
 
 
@@ -49,19 +59,23 @@ def qualified(value: Any) -> str:
 
 
 def probe(reports: Any, label: str, *rest: object) -> None:
-    """In a child, in place of SGLang's entry point: which class ``mooncake`` maps to, and
-    (when that is mmkey's) the store ``create_backend`` builds."""
+    """In a child, in place of SGLang's entry point: what `backend` finds there."""
+    reports.put({"label": label, "args": len(rest), **backend()})
+
+
+def backend() -> dict[str, object]:
+    """Which class ``mooncake`` maps to in this process, and (when that is mmkey's) what
+    `create` makes of it."""
     from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
 
     entry = EmbeddingStoreFactory._registry["mooncake"]
     report: dict[str, object] = {
-        "label": label,
-        "args": len(rest),
         "mooncake": f"{entry['module_path']}.{entry['class_name']}",
+        "entry_key_set": ENTRY_KEY in os.environ,
     }
     if entry["module_path"] == MMKEY_MODULE:
         report.update(create())
-    reports.put(report)
+    return report
 
 
 def create() -> dict[str, object]:
@@ -103,17 +117,32 @@ def finder_ahead() -> int:
     return 0
 
 
-def main(labels: list[str]) -> int:
+def load_plugins(version: str | None) -> None:
+    """SGLang's plugin loader, as its launcher runs it; with `version` as SGLang's version."""
+    import sglang
     import sglang.srt.plugins as plugins
 
-    plugins.load_plugins()  # before the encoder modules are imported, as in SGLang's launcher
+    if version is not None:
+        sglang.__version__ = version
+    plugins.load_plugins()
+
+
+def target_of(label: str) -> tuple[str, str]:
+    """The module and function a label names, without its prefix."""
+    return TARGETS[label.rpartition(":")[2]]
+
+
+def main(args: list[str]) -> int:
+    options = {arg.partition("=")[0]: arg.partition("=")[2] for arg in args if arg.startswith("--")}
+    labels = [arg for arg in args if not arg.startswith("--")]
+    load_plugins(options.get("--sglang-version"))  # before the encoder modules, as in SGLang's launcher
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # in place of the default, which imports __main__
     reports: Any = context.Queue()
     targets: dict[str, str] = {}
     children = []
     for label in labels:
-        module, name = TARGETS[label.removeprefix(NO_NAMESPACE)]
+        module, name = target_of(label)
         target = getattr(importlib.import_module(module), name)
         targets[label] = qualified(target)
         child = context.Process(
@@ -121,6 +150,7 @@ def main(labels: list[str]) -> int:
         )
         child.start()
         children.append(child)
+    launcher = backend() if "--launcher" in options else None
     received: list[object] = []
     try:
         for _ in children:
@@ -133,13 +163,17 @@ def main(labels: list[str]) -> int:
             if child.is_alive():
                 child.kill()
                 child.join()
-    print(json.dumps({"targets": targets, "reports": received, "exitcodes": [c.exitcode for c in children]}))
+    exitcodes = [c.exitcode for c in children]
+    print(json.dumps({"targets": targets, "reports": received, "exitcodes": exitcodes, "launcher": launcher}))
     return 0 if len(received) == len(children) else 1
 
 
 if __name__ == "__mp_main__":  # a spawned child, before its target is unpickled
-    if multiprocessing.current_process().name.startswith(NO_NAMESPACE):
+    _label = multiprocessing.current_process().name
+    if _label.startswith(NO_NAMESPACE):
         del os.environ["MMKEY_NAMESPACE"]  # as if started without it: a configuration error
+    elif _label.startswith(NAMESPACE):
+        os.environ["MMKEY_NAMESPACE"] = _label.removeprefix(NAMESPACE).partition(":")[0]
     vars(importlib.import_module(SERVER))["launch_encoder"] = probe
     vars(importlib.import_module(RUNTIME))["launch_dp_worker"] = probe
 

@@ -6,6 +6,7 @@ elsewhere unless MMKEY_REQUIRE_SGLANG=1.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import logging
@@ -332,6 +333,64 @@ def test_a_launcher_whose_spawning_module_passed_a_finder_ahead_of_mmkeys_refuse
     result = run_probe(("--finder-ahead",), probe_env("1", mooncake_master_session))
     assert "imported without mmkey's patch of launch_encoder" in result["launcher"]["refused"]
     assert "Bypass" in result["launcher"]["refused"]  # the finder ahead is named
+
+
+ENTRY_SECRET = hashlib.sha256(b"mmkey sglang probe").hexdigest()
+"""A fleet MAC secret (``MMKEY_ENTRY_KEY``, 64 hex digits): no refusal may echo it."""
+MMKEY_STORE = "mmkey.integrations.sglang.MMKeyEmbeddingStore"
+
+
+@pytest.fixture(scope="module")
+def true_switch_probe(mooncake_master_session: MasterProcess) -> dict[str, Any]:
+    """One launcher run with ``MMKEY_SGLANG_BACKEND=true``, a MAC secret set and no
+    ``MMKEY_NAMESPACE``, the launcher told SGLang is 0.5.24 (``sglang.__version__`` set before
+    its plugins load): its own backend, a TP rank given a namespace of its own and a DP worker."""
+    env = probe_env("true", mooncake_master_session, MMKEY_ENTRY_KEY=ENTRY_SECRET)
+    del env["MMKEY_NAMESPACE"]
+    labels = ("namespace=true-model:runtime.launch_encoder", "runtime.launch_dp_worker")
+    return run_probe(("--launcher", "--sglang-version=0.5.24", *labels), env)
+
+
+def test_true_through_sglangs_loader_makes_mooncake_mmkeys_store_in_the_launcher_and_children(
+    true_switch_probe: dict[str, Any],
+) -> None:
+    result = true_switch_probe
+    assert result["targets"] == {
+        "namespace=true-model:runtime.launch_encoder": f"{spawn_hook.__name__}.launch_encoder",
+        "runtime.launch_dp_worker": f"{spawn_hook.__name__}.launch_dp_worker",
+    }
+    reports = {r["label"]: r for r in result["reports"]}
+    for report in (result["launcher"], *reports.values()):
+        assert report["mooncake"] == MMKEY_STORE
+        assert f"{BACKEND_ENV}='true'" not in report.get("refused", "")  # "true" says on plainly
+    tp_rank = reports["namespace=true-model:runtime.launch_encoder"]
+    assert tp_rank["created"] == "mmkey.integrations.sglang._store.MMKeyEmbeddingStore"
+    assert tp_rank["namespace"] == "true-model"
+    assert result["exitcodes"] == [0, 0]
+
+
+def test_a_missing_namespace_with_an_entry_secret_set_refuses_in_the_launcher_and_a_spawned_child(
+    true_switch_probe: dict[str, Any],
+) -> None:
+    launcher = true_switch_probe["launcher"]
+    [dp_worker] = [r for r in true_switch_probe["reports"] if r["label"] == "runtime.launch_dp_worker"]
+    for report in (launcher, dp_worker):
+        assert report["entry_key_set"]  # the secret was there: it does not stand in for a namespace
+        assert "created" not in report
+        assert "refuses to start" in report["refused"]
+        assert "MMKEY_NAMESPACE is not set: name the model, revision and preprocessing" in report["refused"]
+        assert ENTRY_SECRET not in report["refused"]
+
+
+def test_an_sglang_version_outside_the_range_refuses_in_the_launcher_process(
+    true_switch_probe: dict[str, Any],
+) -> None:
+    launcher = true_switch_probe["launcher"]
+    assert "SGLang 0.5.24 is outside" in launcher["refused"]
+    assert "install sglang==0.5.23" in launcher["refused"]
+    # the children import the installed SGLang, 0.5.23: only their missing namespace is refused
+    for report in true_switch_probe["reports"]:
+        assert "is outside" not in report.get("refused", "")
 
 
 def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugins(tmp_path: Path) -> None:

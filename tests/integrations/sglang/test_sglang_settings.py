@@ -60,12 +60,16 @@ def test_namespace_is_required_and_checked() -> None:
         namespace_from_env({"MMKEY_NAMESPACE": "m" * 300})
 
 
-@pytest.mark.parametrize("version", ["0.5.23", "0.5.23.post1", "0.5.23rc1"])
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.23.post1", "0.5.23+cu128", "0.5.23.0"])
 def test_tested_versions_pass(version: str) -> None:
     check_sglang_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.5.22", "0.5.24", "0.6.0", "1.0.0", "0.0.0.dev0", "unknown", ""])
+@pytest.mark.parametrize(
+    "version",
+    ["0.5.22", "0.5.24", "0.6.0", "1.0.0", "0.0.0.dev0", "unknown", "", "0.5.23junk"]
+    + ["0.5.23rc1", "0.5.23.dev0", "0.5.23a1", "0.5.24rc1"],  # PEP 440: outside >=0.5.23,<0.5.24
+)
 def test_other_versions_are_refused_naming_the_fix(version: str) -> None:
     with pytest.raises(SGLangConfigError, match=r"install sglang==0\.5\.23"):
         check_sglang_version(version)
@@ -105,6 +109,30 @@ def test_sglangs_variables_are_honoured() -> None:
     assert (config.timeout, config.replica_num) == (0.75, 2)
     both = {"MOONCAKE_MASTER": "m:1", "MOONCAKE_LOCAL_HOSTNAME": "a", "LOCAL_HOSTNAME": "b"}
     assert config_from_env(both).local_hostname == "a"  # SGLang: MOONCAKE_LOCAL_HOSTNAME first
+
+
+def test_an_empty_mooncake_local_hostname_is_skipped_not_passed_on() -> None:
+    # SGLang 0.5.23 passes a set-but-empty MOONCAKE_LOCAL_HOSTNAME to Mooncake as the host name
+    # (envs.MOONCAKE_LOCAL_HOSTNAME.is_set()), and mooncake 0.3.13.post1's setup refuses an empty
+    # one (-600, "local_hostname is empty"): mmkey goes on to the next source instead
+    env = {"MOONCAKE_MASTER": "m:1", "MOONCAKE_LOCAL_HOSTNAME": ""}
+    assert config_from_env(env).local_hostname == "localhost"
+    assert config_from_env({**env, "LOCAL_HOSTNAME": "10.0.0.7"}).local_hostname == "10.0.0.7"
+
+
+@pytest.mark.parametrize(("text", "protocol"), [("RDMA", "rdma"), ("Tcp", "tcp"), (" efa ", "efa")])
+def test_the_protocol_is_read_in_any_case_as_mooncakes_config_reads_it(text: str, protocol: str) -> None:
+    settings = settings_from_env({"MOONCAKE_MASTER": "m:1", "MOONCAKE_PROTOCOL": text})
+    assert settings.config.protocol == protocol
+    assert f"protocol={protocol} " in settings.describe()
+
+
+def test_rpc_only_is_a_configuration_error_naming_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(SGLangConfigError, match="protocol 'rpc_only': .* use tcp or rdma"):
+        config_from_env({"MOONCAKE_MASTER": "m:1", "MOONCAKE_PROTOCOL": "rpc_only"})
+    path = write(tmp_path, {"master_server_address": "m:1", "protocol": "RPC_ONLY"})
+    with pytest.raises(SGLangConfigError, match=r"\(file .*\): MooncakeConfig.protocol 'rpc_only'"):
+        config_from_env({"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": path})
 
 
 def write(tmp_path: Path, data: object) -> str:

@@ -17,8 +17,10 @@ __all__ = ["MooncakeConfig", "parse_replica_num", "parse_size", "read_json_confi
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(kb|mb|gb|tb|k|m|g|t|b)?", re.ASCII | re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-# the transports mooncake-transfer-engine 0.3.13 sets up for a store client (its
-# mooncake_config.py lists them; which work depends on the build and the hardware)
+# the protocols mooncake-transfer-engine 0.3.13.post1 knows (its mooncake_config.py,
+# _KNOWN_PROTOCOLS: the transfer engine's transports and the store-only mode); which work
+# depends on the build and the hardware. Matched as Mooncake's own config matches them,
+# stripped and lower-cased: its C++ engine refuses "RDMA" (setup -1, unsupported_protocol).
 _PROTOCOLS = frozenset(
     {
         "tcp",
@@ -36,8 +38,17 @@ _PROTOCOLS = frozenset(
         "ubshmem",
         "maca",
         "sunrise_link",
+        "rpc_only",
     }
 )
+_UNUSABLE_PROTOCOLS = {
+    "rpc_only": (
+        "Mooncake's store-only mode attaches no transfer engine, so it moves no entries: "
+        "mooncake-transfer-engine 0.3.13.post1 crashes the process in setup when given a "
+        "segment or a transfer buffer, and puts and gets nothing without one; use tcp or rdma"
+    ),
+}
+"""Protocols Mooncake knows that no mmkey cache can work with, and why (measured)."""
 
 
 def parse_size(value: int | str, field: str = "size") -> int:
@@ -91,11 +102,21 @@ def _replicas(_: object, attribute: attrs.Attribute[int], value: Any) -> None:
         raise ValueError(f"MooncakeConfig.replica_num must be >= 1, got {value!r}")
 
 
+def _canonical_protocol(value: str) -> str:
+    """Protocol text as Mooncake's own config reads it: stripped and lower-cased (anything
+    else is left to the validator)."""
+    given: object = value
+    return value.strip().lower() if isinstance(given, str) else value
+
+
 def _protocol(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"MooncakeConfig.protocol must be text such as 'tcp', got {value!r}")
     if value not in _PROTOCOLS:
-        raise ValueError(f"MooncakeConfig.protocol must be one of {sorted(_PROTOCOLS)}, got {value!r}")
+        usable = sorted(_PROTOCOLS - _UNUSABLE_PROTOCOLS.keys())
+        raise ValueError(f"MooncakeConfig.protocol must be one of {usable}, got {value!r}")
+    if value in _UNUSABLE_PROTOCOLS:
+        raise ValueError(f"MooncakeConfig.protocol {value!r}: {_UNUSABLE_PROTOCOLS[value]}")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -117,7 +138,8 @@ class MooncakeConfig:
 
     master_server_address: str = attrs.field(validator=check_address_field)
     local_hostname: str = attrs.field(default="127.0.0.1", validator=[_text, attrs.validators.min_len(1)])
-    protocol: str = attrs.field(default="tcp", validator=_protocol)
+    protocol: str = attrs.field(default="tcp", converter=_canonical_protocol, validator=_protocol)
+    """Mooncake's transport, any case (``"RDMA"`` is ``"rdma"``), as its own config reads it."""
     device_name: str = attrs.field(default="", validator=_text)
     metadata_server: str = attrs.field(default="P2PHANDSHAKE", validator=[_text, attrs.validators.min_len(1)])
     global_segment_size: int = attrs.field(default=512 << 20, validator=_non_negative_size)

@@ -10,11 +10,12 @@ own 64-bit hashes, ``blake3`` for BLAKE3-128.
 The Mooncake store is configured as SGLang's own Mooncake embedding backend configures it
 (SGLang 0.5.23, ``MooncakeStoreConfig``), with SGLang's defaults: the JSON file named by
 ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` when set, otherwise ``MOONCAKE_MASTER``,
-``MOONCAKE_PROTOCOL`` (default ``rdma``), ``MOONCAKE_DEVICE``,
-``MOONCAKE_TE_META_DATA_SERVER`` (default ``P2PHANDSHAKE``), ``MOONCAKE_GLOBAL_SEGMENT_SIZE``
-(default 4 GiB), ``MOONCAKE_TENANT_ID``; the local host name from ``MOONCAKE_LOCAL_HOSTNAME``,
-then ``LOCAL_HOSTNAME``, then the file, then ``localhost``. mmkey adds
-``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_REPLICA_NUM``, ``MMKEY_TIMEOUT`` and the
+``MOONCAKE_PROTOCOL`` (default ``rdma``; any case, as Mooncake's own config reads it),
+``MOONCAKE_DEVICE``, ``MOONCAKE_TE_META_DATA_SERVER`` (default ``P2PHANDSHAKE``),
+``MOONCAKE_GLOBAL_SEGMENT_SIZE`` (default 4 GiB), ``MOONCAKE_TENANT_ID``; the local host name
+from ``MOONCAKE_LOCAL_HOSTNAME``, then ``LOCAL_HOSTNAME``, then the file, then ``localhost``
+(an empty variable is skipped, where SGLang would pass it on and Mooncake refuse it). mmkey
+adds ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_REPLICA_NUM``, ``MMKEY_TIMEOUT`` and the
 ``MMKEY_*`` settings `MooncakeConfig.from_env` reads.
 ``MOONCAKE_CLIENT`` (a standalone ``mooncake_client``) is not used by SGLang's embedding
 backend either: the store talks to the master itself, so a master is required.
@@ -70,7 +71,15 @@ TESTED_SGLANG = ((0, 5, 23), (0, 5, 24))
 
 _ON = frozenset({"1", "true", "yes", "on", "mmkey"})
 _HASHES = {"": HashScheme.SGLANG, "sglang": HashScheme.SGLANG, "blake3": HashScheme.BLAKE3}
-_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")
+_VERSION = re.compile(
+    r"v?(?P<release>\d+(?:\.\d+)*)"
+    r"(?P<pre>[-_.]?(?:a|b|c|rc|alpha|beta|pre|preview)[-_.]?\d*)?"
+    r"(?P<post>-\d+|[-_.]?(?:post|rev|r)[-_.]?\d*)?"
+    r"(?P<dev>[-_.]?dev[-_.]?\d*)?"
+    r"(?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?",
+    re.ASCII | re.IGNORECASE,
+)
+"""A PEP 440 version, as pip reads the extra's bound."""
 # SGLang 0.5.23's defaults (sglang.srt.environ) for its Mooncake backend
 _SGLANG_DEFAULTS: dict[str, Any] = {
     "local_hostname": "localhost",
@@ -145,17 +154,37 @@ def namespace_from_env(environ: Mapping[str, str] | None = None) -> str:
 
 
 def check_sglang_version(version: str) -> None:
-    """`SGLangConfigError` unless `version` is in `TESTED_SGLANG`."""
-    low, high = TESTED_SGLANG
-    match = _VERSION.match(version)
-    found = tuple(int(part) for part in match.groups()) if match else None
-    if found is None or not (low <= found < high):
+    """`SGLangConfigError` unless `version` is in `TESTED_SGLANG`, read as pip reads the
+    extra's ``>=low,<high`` (PEP 440): ``0.5.23rc1`` and ``0.5.23.dev0`` come before
+    ``0.5.23`` and are refused; ``0.5.23.post1`` and ``0.5.23+cu128`` are in."""
+    if not _in_tested_range(version):
+        low, high = TESTED_SGLANG
         raise SGLangConfigError(
             f"SGLang {version} is outside the versions mmkey's SGLang integration is tested "
             f"with ({_dotted(low)} up to, not including, {_dotted(high)}): install "
             f"sglang=={_dotted(low)} (pip install 'mmkey[sglang]'), or unset {BACKEND_ENV} "
             "to run SGLang's own backend"
         )
+
+
+def _in_tested_range(version: str) -> bool:
+    """Whether PEP 440 puts `version` from the first of `TESTED_SGLANG` to below the second."""
+    match = _VERSION.fullmatch(version.strip())
+    if match is None:
+        return False
+    release = _release(match["release"])
+    low, high = (_release(_dotted(bound)) for bound in TESTED_SGLANG)
+    # a pre-release or a development release of `low` (not of a post-release) comes before it
+    before_low = release == low and bool(match["pre"] or (match["dev"] and not match["post"]))
+    return low <= release < high and not before_low
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """A release's numbers without trailing zeros (PEP 440: ``0.5.23.0`` is ``0.5.23``)."""
+    parts = [int(part) for part in text.split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
 
 
 def _dotted(version: tuple[int, ...]) -> str:
@@ -222,7 +251,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings
         source = "environment"
         if env.get("MOONCAKE_CONFIG_PATH"):
             notes.append(f"MOONCAKE_CONFIG_PATH not read (SGLang's backend reads {SGLANG_CONFIG_ENV})")
-    for var in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):  # SGLang: these win over the file
+    # SGLang: these win over the file (SGLang also passes on an empty MOONCAKE_LOCAL_HOSTNAME,
+    # which Mooncake's setup refuses: -600, "local_hostname is empty"; mmkey skips it)
+    for var in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):
         if env.get(var):
             fields["local_hostname"] = env[var]
             break
