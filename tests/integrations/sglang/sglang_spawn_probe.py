@@ -64,8 +64,8 @@ def probe(reports: Any, label: str, *rest: object) -> None:
 
 
 def backend() -> dict[str, object]:
-    """Which class ``mooncake`` maps to in this process, and (when that is mmkey's) what
-    `create` makes of it."""
+    """Which class ``mooncake`` maps to in this process, and what `create` makes of it when
+    that is mmkey's, or when the switch opts in (mmkey's guard must then refuse SGLang's)."""
     from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
 
     entry = EmbeddingStoreFactory._registry["mooncake"]
@@ -73,7 +73,8 @@ def backend() -> dict[str, object]:
         "mooncake": f"{entry['module_path']}.{entry['class_name']}",
         "entry_key_set": ENTRY_KEY in os.environ,
     }
-    if entry["module_path"] == MMKEY_MODULE:
+    opted_in = os.environ.get("MMKEY_SGLANG_BACKEND", "") not in ("", "0")
+    if entry["module_path"] == MMKEY_MODULE or opted_in:
         report.update(create())
     return report
 

@@ -323,7 +323,9 @@ def test_spawned_tp_ranks_and_dp_workers_build_mmkeys_store_or_refuse(
         assert "created" not in reports[label]
         assert "MMKEY_NAMESPACE is not set" in reports[label]["refused"]
     assert reports["server.launch_encoder"]["mooncake"] == f"{SGLANG_MOONCAKE}.MooncakeEmbeddingStore"
+    # opted in, and mmkey's plugin never ran there: the guard of mmkey-sglang-guard.pth refuses
     assert "created" not in reports["server.launch_encoder"]
+    assert "mmkey's SGLang plugin did not register" in reports["server.launch_encoder"]["refused"]
     assert result["exitcodes"] == [0] * 5
 
 
