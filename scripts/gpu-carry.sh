@@ -7,7 +7,9 @@
 #   wheels/      mmkey's build backend, so the GPU machine installs the working tree itself
 #   debs/        the Debian libraries Mooncake's binding links against; gpu-check.sh puts on
 #                the library path only those the GPU machine lacks
-# Then, there: scripts/gpu-check.sh (it finds .gpu-carry/ when .venv-sglang is absent).
+# Then, there: scripts/gpu-check.sh (it finds .gpu-carry/ when .venv-sglang is absent). No
+# sglang-kernel: too large, and built for another torch than the image's; gpu-check.sh puts an
+# import stand-in for sgl_kernel on the path instead (scripts/sgl_kernel_standin.py).
 #   scripts/gpu-carry.sh          # GPU_PYTHON_VERSION=3.11 packs for another Python
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -8,8 +8,16 @@
 # into .gpu-carry/ (a bare GPU machine with no network: carry .gpu-carry with the working
 # tree). Prints one summary line; exit status 0 when everything passed or when there is no
 # CUDA device (then it says SKIP and runs nothing). Takes a few minutes.
+# SGLang imports sgl_kernel (sglang-kernel) unconditionally on CUDA; where that fails (not
+# installed, or its ops library built for another torch: sglang-kernel 0.4.10 needs torch
+# 2.14.1, a lent machine's image has 2.11.0), an import stand-in goes first on the path
+# (scripts/sgl_kernel_standin.py): everything of it imports, calling anything of it raises, so
+# a path that needs a kernel fails loudly. The summary line says which sgl_kernel ran and why.
 #   scripts/gpu-check.sh               # PYTHON=... to use another environment
-#   scripts/gpu-check.sh --setup-only  # set up and check what imports, on any machine
+#   scripts/gpu-check.sh --setup-only  # set up and check what imports, on any machine, also
+#                                      # SGLang's CUDA import path (CUDA emulated where absent)
+#   GPU_CHECK_USE_CARRY=1              # the carry even where .venv-sglang has CUDA torch
+#   GPU_CHECK_STANDIN=0                # never a stand-in (to see what fails without one)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 setup_only=0
@@ -60,7 +68,8 @@ cpu_torch=0
 if [ -x "$python" ] && "$python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null; then
     cpu_torch=1
 fi
-if [ -z "${PYTHON:-}" ] && { [ ! -x "$python" ] || [ "$cpu_torch" -eq 1 ]; } && [ -f "$carry/site.tar.xz" ]; then
+if [ -z "${PYTHON:-}" ] && { [ ! -x "$python" ] || [ "$cpu_torch" -eq 1 ] || [ "${GPU_CHECK_USE_CARRY:-0}" = 1 ]; } \
+    && [ -f "$carry/site.tar.xz" ]; then
     cpu_torch=0  # the machine's own torch
     use_carry >"$out/setup.log" 2>&1 || {
         echo "gpu-check: FAIL (setting up the carried packages failed)"
@@ -73,6 +82,28 @@ if [ ! -x "$python" ] && ! command -v "$python" >/dev/null 2>&1; then
     echo "gpu-check: FAIL ($python not found: SGLANG_TORCH=cuda sh scripts/sglang-env.sh, or scripts/gpu-carry.sh on a machine with network)"
     exit 1
 fi
+
+# sgl_kernel: the real one where it imports on this python (in a fresh interpreter), else the
+# stand-in, first on the path of everything below, with the reason every call of it raises
+sgl_kernel=$(timeout 300 "$python" scripts/sgl_kernel_standin.py --probe 2>"$out/sgl_kernel.log" | tail -n 1)
+case "$sgl_kernel" in
+    "real "*)
+        sgl_kernel_note="sgl_kernel: real, sglang-kernel ${sgl_kernel#real }" ;;
+    *)
+        reason=${sgl_kernel#stand-in }
+        [ -n "$reason" ] || reason="the probe failed: $(tail -n 1 "$out/sgl_kernel.log")"
+        if [ "${GPU_CHECK_STANDIN:-1}" = 0 ]; then
+            sgl_kernel_note="sgl_kernel: NONE, stand-in switched off ($reason)"
+        elif "$python" scripts/sgl_kernel_standin.py "$out/standin" --reason "$reason" >/dev/null; then
+            export PYTHONPATH="$out/standin${PYTHONPATH:+:$PYTHONPATH}"
+            # SGLang's start refuses without the sglang-kernel distribution it pins
+            export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+            sgl_kernel_note="sgl_kernel: STAND-IN, imports only, none of its kernels ran: $reason"
+        else
+            echo "gpu-check: FAIL (could not write the sgl_kernel stand-in)"
+            exit 1
+        fi ;;
+esac
 
 if [ "$setup_only" -eq 1 ]; then
     # what the GPU run needs, short of the GPU: the packages import, SGLang finds mmkey's
@@ -97,6 +128,17 @@ if not ready:
 print(f"gpu-check: SETUP OK (torch {torch.__version__}, CUDA {torch.cuda.is_available()}, "
       f"SGLang {sglang.__version__}, mmkey's plugin found, a master started)")
 PY
+    setup_rc=$?
+    # SGLang's CUDA import path, in a child with CUDA emulated where there is none: what the
+    # CUDA-marked tests and the encode servers import
+    timeout "$step_timeout" "$python" scripts/sglang_cuda_imports.py >"$out/cuda-imports.log" 2>&1
+    imports_rc=$?
+    grep '^gpu-check: CUDA IMPORTS' "$out/cuda-imports.log" || {
+        echo "gpu-check: CUDA IMPORTS FAIL (exit $imports_rc, no summary), last lines:"
+        tail -n 20 "$out/cuda-imports.log"
+    }
+    echo "gpu-check: $sgl_kernel_note"
+    [ "$setup_rc" -eq 0 ] && [ "$imports_rc" -eq 0 ]
     exit $?
 fi
 if [ "$cpu_torch" -eq 1 ]; then
@@ -130,5 +172,5 @@ else
         tail -n 40 "$out/e2e.log"
     } >&2
 fi
-echo "gpu-check: $verdict (CUDA-marked tests: ${tests_summary:-no summary, exit $tests_rc}; encode servers: ${e2e_summary:-no output, exit $e2e_rc})"
+echo "gpu-check: $verdict ($sgl_kernel_note; CUDA-marked tests: ${tests_summary:-no summary, exit $tests_rc}; encode servers: ${e2e_summary:-no output, exit $e2e_rc})"
 [ "$verdict" = PASS ]

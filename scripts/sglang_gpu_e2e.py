@@ -8,7 +8,12 @@ from CUDA by SGLang's ``store_to_pool_async``, SGLang's own feature hash). Serve
 image and puts its embedding; server B is asked for the same image, finds it in the store
 (``Global Hits: 1``), reads and verifies it and sends it on. Both send their embedding to a
 ZMQ receiver standing in for the prefill side (``zmq_to_tokenizer``); the two must be equal.
-Prints one JSON line: what was seen, and ``ok``. Exit status 0 only when everything held.
+Where ``sgl_kernel`` is the import stand-in of ``scripts/sgl_kernel_standin.py`` (the real
+kernels don't load on this machine's torch), the servers take SGLang's kernel-free paths where
+it offers a switch (``--mm-attention-backend sdpa``: torch's attention for the vision tower,
+not FlashAttention 3 from sgl_kernel); a path that still needs a kernel raises. Prints one JSON
+line: which ``sgl_kernel`` ran, what was seen, and ``ok``. Exit status 0 only when everything
+held.
 """
 
 from __future__ import annotations
@@ -119,12 +124,33 @@ def image(root: Path) -> str:
     return str(path)
 
 
-def start_server(model: Path, port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+#: server options that keep SGLang off sgl_kernel where it offers a switch (with the stand-in)
+KERNEL_FREE_ARGS = ("--mm-attention-backend", "sdpa")
+
+
+def sgl_kernel_kind() -> str:
+    """``real VERSION``, ``stand-in`` (scripts/sgl_kernel_standin.py) or ``absent``; imported in
+    a child, so that a real kernel's ops library is not loaded into this process."""
+    code = (
+        "import importlib.metadata as m, sgl_kernel\n"
+        "if hasattr(sgl_kernel, '__sgl_kernel_standin__'): print('stand-in')\n"
+        "else:\n"
+        "    try: print('real', m.version('sglang-kernel'))\n"
+        "    except m.PackageNotFoundError: print('real (of unknown version)')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = done.stdout.strip().splitlines()
+    return lines[-1] if done.returncode == 0 and lines else "absent"
+
+
+def start_server(
+    model: Path, port: int, env: dict[str, str], log: Path, extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--encoder-only",
         "--enable-mm-global-cache", "--mm-global-cache-backend", "mooncake",
         "--encoder-transfer-backend", "zmq_to_tokenizer", "--host", "127.0.0.1", "--port", str(port),
-        "--mem-fraction-static", "0.1", "--trust-remote-code",
+        "--mem-fraction-static", "0.1", "--trust-remote-code", *extra,
     ]  # fmt: skip
     with log.open("wb") as out:
         return subprocess.Popen(
@@ -189,7 +215,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"ok": None, "skipped": "no CUDA device"}))
         return 0
-    seen: dict[str, Any] = {"ok": False}
+    kernel = sgl_kernel_kind()
+    stand_in = kernel == "stand-in"
+    extra = KERNEL_FREE_ARGS if stand_in else ()
+    seen: dict[str, Any] = {"ok": False, "sgl_kernel": kernel, "server_options": list(extra)}
     with tempfile.TemporaryDirectory(prefix="mmkey-gpu-check-") as tmp, running_master() as master:
         root = Path(tmp)
         model, picture = build_model(root), image(root)
@@ -199,6 +228,8 @@ def main() -> int:
             MOONCAKE_PROTOCOL="tcp", MOONCAKE_GLOBAL_SEGMENT_SIZE="256MB",
             MOONCAKE_LOCAL_HOSTNAME="127.0.0.1", HF_HUB_OFFLINE="1", MC_LOG_LEVEL="ERROR",
         )  # fmt: skip
+        if stand_in:  # SGLang's start checks the sglang-kernel distribution, which is absent
+            env["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] = "1"
         context = zmq.Context()
         receiver = context.socket(zmq.PULL)
         receiver_port = receiver.bind_to_random_port("tcp://127.0.0.1")
@@ -207,7 +238,7 @@ def main() -> int:
         try:
             ports = [free_port(), free_port()]
             for port, log in zip(ports, logs, strict=True):
-                servers.append(start_server(model, port, env, log))
+                servers.append(start_server(model, port, env, log, extra))
             for port, server, log in zip(ports, servers, logs, strict=True):
                 wait_healthy(port, server, log)
             first = encode(ports[0], "gpu-check-a", picture, receiver, receiver_port)
