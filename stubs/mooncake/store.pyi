@@ -179,6 +179,28 @@ class MooncakeDistributedStore:
     ) -> list[int]:
         """One code per key; each value is its buffers joined in order (an existing key: 0, kept)."""
 
+    def batch_put_session_start(
+        self, keys: list[str], sizes: list[int], config: ReplicateConfig = ...
+    ) -> list[int]:
+        """Reserve keys for this client, nothing transferred: per key 0, -705 if the store holds
+        it or another client's session does, -600 if this client's own session does (or size 0)."""
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_dst_offsets: list[list[int]],
+    ) -> list[int]:
+        """Into keys of this client's open sessions, each buffer at its offset: the bytes written
+        per key, or a negative code (bytes not written keep whatever the holder's memory held)."""
+
+    def batch_put_session_end(self, keys: list[str]) -> list[int]:
+        """Make this client's session keys readable: 0 per key, or a negative code."""
+
+    def batch_put_session_revoke(self, keys: list[str]) -> list[int]:
+        """Drop this client's open session keys unwritten: 0 per key, or a negative code."""
+
     def batch_get_into_multi_buffers(
         self,
         keys: list[str],

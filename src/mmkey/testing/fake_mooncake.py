@@ -22,6 +22,16 @@ with `RPC_FAIL`, the objects are lost),
 stopped), `flip_byte` (corrupt a stored value) and `delay` (a method sleeps first). `calls` counts
 every call by method name.
 
+Put sessions (``batch_put_session_start`` and the calls that follow it) work as measured on the
+binding: a start reserves a key (and its room) for one client, which alone writes ranges into it
+and ends it (readable) or revokes it; meanwhile the key is absent to reads, a plain put of it
+answers 0 and writes nothing, and every other start answers `OBJECT_ALREADY_EXISTS`. A client
+that closes keeps its reservations on the master until ``put_start_discard_timeout_s`` has
+passed (the master's ``put_start_discard_timeout_sec``), when the next start of the key
+discards them; `FakeMooncakeMaster.reserved` lists the keys reserved. Bytes a session leaves
+unwritten read as `UNWRITTEN_BYTE` once it ends (the real segment leaves whatever its memory
+held: zeros when fresh, a freed value's bytes when reused).
+
 What is simplified: objects are placed on the writer's own segment if it has room, else on the
 holder with the most free room (the real master places at random); a full store answers
 `NO_AVAILABLE_HANDLE` instead of evicting; calls to a dead master fail at once (the real one
@@ -60,12 +70,17 @@ else:
 
 __all__ = [
     "HAS_LEASE",
+    "ILLEGAL_CLIENT",
     "INVALID_PARAMS",
+    "INVALID_REPLICA",
     "NOT_FOUND",
     "NO_AVAILABLE_HANDLE",
+    "OBJECT_ALREADY_EXISTS",
     "OK",
+    "REPLICA_IS_NOT_READY",
     "RPC_FAIL",
     "TRANSFER_FAIL",
+    "UNWRITTEN_BYTE",
     "FakeDescriptor",
     "FakeMemoryDescriptor",
     "FakeMooncakeMaster",
@@ -82,11 +97,20 @@ OK = 0
 NO_AVAILABLE_HANDLE = -200
 """No holder has room for the value (the real master may answer it while it evicts)."""
 INVALID_PARAMS = -600
-"""An empty key or value, a buffer too small or not registered, a value too large."""
+"""An empty key or value, a buffer too small or not registered, a value too large; a put
+session call for a key this client has no session of (or, for a start, already has one)."""
+ILLEGAL_CLIENT = -601
+"""Ending or revoking a put session whose key another client has written (an upsert) meanwhile."""
+INVALID_REPLICA = -702
+"""A ranged put session write with no ranges for a key."""
+REPLICA_IS_NOT_READY = -703
+"""The key is reserved by an open put session: sized, read or removed before it ends."""
 TRANSFER_FAIL = -800
 """The master answered but the holder did not (or a multi-buffer read's sizes sum to more)."""
 NOT_FOUND = -704
 """No such object."""
+OBJECT_ALREADY_EXISTS = -705
+"""A put session's start for a key that is stored or that another session has reserved."""
 HAS_LEASE = -706
 """The object was read or looked up within its lease; ``force=True`` removes it anyway."""
 RPC_FAIL = -900
@@ -97,6 +121,9 @@ _NOT_SET_UP = 1
 _SETUP_FAILED = -1
 """What `setup` returns when no fake master listens at the address (the real binding returns
 non-zero only after retrying for ~90 s)."""
+UNWRITTEN_BYTE = 0xDB
+"""What the bytes a put session leaves unwritten read as once it ends (the real store leaves
+whatever its memory held: never count on zeros)."""
 _MAGIC = 21
 _REQUEST = struct.Struct("<BBBBIIII")
 _REPLY = struct.Struct("<BBBBIII")
@@ -174,6 +201,25 @@ class _Object:
 
 
 @attrs.define
+class _Reservation:
+    """An open put session on the master: its client's token, its room, since when."""
+
+    token: object
+    size: int
+    holders: list[str]
+    started: float
+
+
+@attrs.define
+class _Session:
+    """An open put session on its client: the bytes written so far, where its room is."""
+
+    token: object
+    data: bytearray
+    holders: list[str]
+
+
+@attrs.define
 class _Fault:
     code: int
     times: int
@@ -184,13 +230,23 @@ class FakeMooncakeMaster:
     `address` share; thread-safe. Stop it with `close` (or use it as a context manager).
 
     ``lease_s`` is how long a read or lookup keeps an object from a plain `remove`
-    (Mooncake's default lease: 10 s).
+    (Mooncake's default lease: 10 s); ``put_start_discard_timeout_s`` how long a put session's
+    reservation holds its key against a new start (Mooncake's ``put_start_discard_timeout_sec``,
+    30 s by default).
     """
 
-    def __init__(self, host: str = "127.0.0.1", *, lease_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        lease_s: float = 10.0,
+        put_start_discard_timeout_s: float = 30.0,
+    ) -> None:
         self._lock = threading.RLock()
         self.lease_s = lease_s
+        self.put_start_discard_timeout_s = put_start_discard_timeout_s
         self._objects: dict[str, _Object] = {}
+        self._reserved: dict[str, _Reservation] = {}  # keys of open put sessions
         self._segments: dict[str, int] = {}  # holder endpoint -> segment bytes
         self._faults: dict[str, _Fault] = {}
         self._delays: dict[str, float] = {}
@@ -264,6 +320,7 @@ class FakeMooncakeMaster:
         with self._lock:
             self._alive = False
             self._objects.clear()
+            self._reserved.clear()
 
     def restart(self) -> None:
         """Answer again, with no objects; clients set up before re-join on their own."""
@@ -287,6 +344,11 @@ class FakeMooncakeMaster:
         """Every stored key."""
         with self._lock:
             return list(self._objects)
+
+    def reserved(self) -> list[str]:
+        """The keys that open put sessions reserve (not readable until ended)."""
+        with self._lock:
+            return list(self._reserved)
 
     def value(self, key: str) -> bytes | None:
         """The stored value of ``key``, or None."""
@@ -371,34 +433,95 @@ class FakeMooncakeMaster:
             return endpoint
 
     def _leave(self, endpoint: str) -> None:
-        """A client closed: its segment and every object on it are gone."""
+        """A client closed: its segment and every object and reservation on it are gone (the
+        reservations it made elsewhere stay, like those of a client that died)."""
         with self._lock:
             if self._segments.pop(endpoint, None) is None:
                 return
             for key in [k for k, o in self._objects.items() if endpoint in o.holders]:
                 del self._objects[key]
+            for key in [k for k, r in self._reserved.items() if endpoint in r.holders]:
+                del self._reserved[key]
 
     def _free(self, endpoint: str) -> int:
         used = sum(len(o.value) for o in self._objects.values() if endpoint in o.holders)
+        used += sum(r.size for r in self._reserved.values() if endpoint in r.holders)
         return self._segments[endpoint] - used
 
+    def _place(self, size: int, writer: str, replicas: int) -> list[str]:
+        """The holders with room for ``size`` bytes, the writer's own first (``[]``: none)."""
+        free = {e: self._free(e) for e in self._segments}
+        order = sorted(free, key=lambda e: (e != writer, -free[e]))
+        return [e for e in order if free[e] >= size][: max(replicas, 1)]
+
+    def _claimable(self, key: str) -> _Reservation | None:
+        """``key``'s open put session, after discarding one older than the discard timeout."""
+        reservation = self._reserved.get(key)
+        if reservation is not None and (
+            time.monotonic() - reservation.started >= self.put_start_discard_timeout_s
+        ):
+            del self._reserved[key]
+            return None
+        return reservation
+
     def _store(self, key: str, value: bytes, writer: str, replicas: int, replace: bool) -> int:
-        """Place `value` under ``key`` (kept if present and not `replace`)."""
+        """Place `value` under ``key`` (kept if present and not `replace`; a key an open put
+        session reserves is left to it, unless `replace`)."""
         with self._lock:
             old = self._objects.get(key)
-            if old is not None and not replace:
+            reservation = self._claimable(key)
+            if (old is not None or reservation is not None) and not replace:
                 return OK
             if old is not None:
                 del self._objects[key]
-            free = {e: self._free(e) for e in self._segments}
-            order = sorted(free, key=lambda e: (e != writer, -free[e]))
-            chosen = [e for e in order if free[e] >= len(value)][: max(replicas, 1)]
+            if reservation is not None:
+                del self._reserved[key]
+            chosen = self._place(len(value), writer, replicas)
             if not chosen:
                 if old is not None:
                     self._objects[key] = old
+                if reservation is not None:
+                    self._reserved[key] = reservation
                 return NO_AVAILABLE_HANDLE
             self._objects[key] = _Object(value, chosen)
             return OK
+
+    def _reserve(self, key: str, size: int, writer: str, replicas: int, token: object) -> list[str] | int:
+        """Open a put session of ``size`` bytes for ``key``: the holders of its room, or
+        `OBJECT_ALREADY_EXISTS` (stored, or reserved) or `NO_AVAILABLE_HANDLE`."""
+        with self._lock:
+            if key in self._objects or self._claimable(key) is not None:
+                return OBJECT_ALREADY_EXISTS
+            chosen = self._place(size, writer, replicas)
+            if not chosen:
+                return NO_AVAILABLE_HANDLE
+            self._reserved[key] = _Reservation(token, size, chosen, time.monotonic())
+            return list(chosen)
+
+    def _settle(self, key: str, token: object, value: bytes | None) -> int:
+        """End (store `value`) or revoke (None) the put session ``token`` holds on ``key``:
+        `ILLEGAL_CLIENT` if another client's session or object has the key, `NOT_FOUND` to an
+        end when neither (its room was lost), `OK` to a revoke then."""
+        with self._lock:
+            reservation = self._reserved.get(key)
+            if reservation is not None and reservation.token is token:
+                del self._reserved[key]
+                if value is not None:
+                    self._objects[key] = _Object(value, reservation.holders)
+                return OK
+            if reservation is not None or key in self._objects:
+                return ILLEGAL_CLIENT
+            return OK if value is None else NOT_FOUND
+
+    def _holds(self, holders: Sequence[str]) -> bool:
+        """Whether every one of ``holders`` still lends its segment."""
+        with self._lock:
+            return all(h in self._segments for h in holders)
+
+    def _missing(self, key: str) -> int:
+        """The code for reading, sizing or removing a key that is not stored."""
+        with self._lock:
+            return REPLICA_IS_NOT_READY if key in self._reserved else NOT_FOUND
 
     def _read(self, key: str) -> bytes | int:
         """``key``'s value after waiting out a paused holder; a code if it cannot be read."""
@@ -426,7 +549,7 @@ class FakeMooncakeMaster:
         with self._lock:
             obj = self._objects.get(key)
             if obj is None:
-                return NOT_FOUND
+                return self._missing(key)
             if not force and obj.lease_until > time.monotonic():
                 return HAS_LEASE
             del self._objects[key]
@@ -466,6 +589,7 @@ class FakeMooncakeStore(_StoreBase):
         self._endpoint = ""
         self._local_buffer_size = 0
         self._buffers: dict[int, int] = {}  # registered start -> size
+        self._sessions: dict[str, _Session] = {}  # this client's open put sessions
         self._lock = threading.Lock()
 
     @overload
@@ -528,6 +652,8 @@ class FakeMooncakeStore(_StoreBase):
     def close(self) -> int:
         """0; leaves the master (this client's objects are lost); safe to repeat."""
         master, self._master = self._master, None
+        with self._lock:
+            self._sessions.clear()  # their reservations stay on the master (see the module)
         if master is not None:
             master._leave(self._endpoint)
         return OK
@@ -599,7 +725,7 @@ class FakeMooncakeStore(_StoreBase):
         if isinstance(master, int):
             return master
         obj = master._look(_check_key(key))
-        return NOT_FOUND if obj is None else len(obj.value)
+        return master._missing(key) if obj is None else len(obj.value)
 
     def is_exist(self, key: str, /) -> int:
         """1, 0, or a negative code."""
@@ -749,7 +875,7 @@ class FakeMooncakeStore(_StoreBase):
             return INVALID_PARAMS
         obj = master._look(_check_key(key))
         if obj is None:
-            return NOT_FOUND
+            return master._missing(key)
         total = sum(sizes)
         if total < len(obj.value):
             return INVALID_PARAMS
@@ -809,7 +935,7 @@ class FakeMooncakeStore(_StoreBase):
             return RPC_FAIL
         obj = master._look(_check_key(key))
         if obj is None:
-            return NOT_FOUND
+            return master._missing(key)
         length = len(obj.value)
         if length > size or not self._registered(ptr, length):
             return INVALID_PARAMS
@@ -908,6 +1034,117 @@ class FakeMooncakeStore(_StoreBase):
             all_sizes,
             lambda _, k, p, n: self._scatter(k, p, n),
         )
+
+    # -- put sessions ----------------------------------------------------------------------
+
+    def batch_put_session_start(
+        self, keys: list[str], sizes: list[int], config: ReplicateConfig | None = None
+    ) -> list[int]:
+        """Reserve each key for this client: 0, `OBJECT_ALREADY_EXISTS` if stored or another
+        session reserves it, `INVALID_PARAMS` if this client's session already does (before
+        this call: a key twice in one call gets `OBJECT_ALREADY_EXISTS` the second time) or
+        for size 0, `NO_AVAILABLE_HANDLE` if no holder has room."""
+        keys = [_check_key(k) for k in keys]
+        master = self._call("batch_put_session_start")
+        if isinstance(master, int):
+            return [master] * len(keys)
+        if not self._same_lengths(keys, sizes):
+            return [INVALID_PARAMS] * len(keys)
+        with self._lock:
+            open_before = set(self._sessions)
+        codes: list[int] = []
+        for key, size in zip(keys, sizes, strict=True):
+            if not key or size <= 0 or key in open_before:
+                codes.append(INVALID_PARAMS)
+                continue
+            token = object()
+            placed = master._reserve(key, size, self._endpoint, _replica_num(config), token)
+            if isinstance(placed, int):
+                codes.append(placed)
+                continue
+            with self._lock:
+                self._sessions[key] = _Session(token, bytearray([UNWRITTEN_BYTE]) * size, placed)
+            codes.append(OK)
+        return codes
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_dst_offsets: list[list[int]],
+    ) -> list[int]:
+        """Write each key's buffers at their offsets into this client's session of it: the
+        bytes written, or `INVALID_PARAMS` (no such session, a range past its size, lists
+        of different lengths), `INVALID_REPLICA` for no ranges."""
+        keys = [_check_key(k) for k in keys]
+        master = self._call("batch_put_from_multi_buffer_ranges")
+        if isinstance(master, int):
+            return [master] * len(keys)
+        if not self._same_lengths(keys, all_buffer_ptrs, all_sizes, all_dst_offsets):
+            return [INVALID_PARAMS] * len(keys)
+        return [
+            self._write_ranges(master, k, p, n, o)
+            for k, p, n, o in zip(keys, all_buffer_ptrs, all_sizes, all_dst_offsets, strict=True)
+        ]
+
+    def _write_ranges(
+        self,
+        master: FakeMooncakeMaster,
+        key: str,
+        ptrs: Sequence[int],
+        sizes: Sequence[int],
+        offsets: Sequence[int],
+    ) -> int:
+        with self._lock:
+            session = self._sessions.get(key)
+        if session is None or not len(ptrs) == len(sizes) == len(offsets):
+            return INVALID_PARAMS
+        if not ptrs:
+            return INVALID_REPLICA
+        room = len(session.data)
+        if any(o < 0 or n < 0 or o + n > room for o, n in zip(offsets, sizes, strict=True)):
+            return INVALID_PARAMS
+        data = self._load(ptrs, sizes)
+        if data is None or not master._holds(session.holders):  # its room left with its holder
+            return INVALID_PARAMS
+        at = 0
+        for offset, size in zip(offsets, sizes, strict=True):
+            session.data[offset : offset + size] = data[at : at + size]
+            at += size
+        return at
+
+    def batch_put_session_end(self, keys: list[str]) -> list[int]:
+        """Make each of this client's session keys readable: 0, `INVALID_PARAMS` (no such
+        session), `ILLEGAL_CLIENT` (another client wrote the key: the session stays open),
+        `NOT_FOUND` (its room was lost)."""
+        return self._settle_sessions("batch_put_session_end", keys, end=True)
+
+    def batch_put_session_revoke(self, keys: list[str]) -> list[int]:
+        """Drop each of this client's session keys unwritten: 0, `INVALID_PARAMS` (no such
+        session), `ILLEGAL_CLIENT` (another client wrote the key: nothing removed, the
+        session stays open)."""
+        return self._settle_sessions("batch_put_session_revoke", keys, end=False)
+
+    def _settle_sessions(self, method: str, keys: list[str], *, end: bool) -> list[int]:
+        keys = [_check_key(k) for k in keys]
+        master = self._call(method)
+        if isinstance(master, int):
+            return [master] * len(keys)
+        codes: list[int] = []
+        for key in keys:
+            with self._lock:
+                session = self._sessions.get(key)
+            if session is None:
+                codes.append(INVALID_PARAMS)
+                continue
+            code = master._settle(key, session.token, bytes(session.data) if end else None)
+            if code != ILLEGAL_CLIENT:
+                with self._lock:
+                    if self._sessions.get(key) is session:
+                        del self._sessions[key]
+            codes.append(code)
+        return codes
 
     def __repr__(self) -> str:
         state = "not set up" if self._master is None else f"at {self._endpoint}"

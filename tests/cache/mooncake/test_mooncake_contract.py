@@ -19,6 +19,34 @@ Multi-buffer (scatter/gather) transfers, measured on 0.3.13.post1:
   a buffer they own (`Arena.spans`).
 - A read stuck on a paused holder writes its buffers when the holder resumes, also after the caller
   stopped waiting (``tests/cache/mooncake/test_mooncake_fleet.py``).
+
+Put sessions (put-if-absent), measured on 0.3.13.post1:
+
+- ``batch_put_session_start`` answers per key: 0, the key reserved for this client; -705
+  (OBJECT_ALREADY_EXISTS) if the store holds it or another client's session reserves it (of clients
+  racing for a key exactly one gets 0); -600 if this client's own session already reserves it (only
+  sessions opened before the call: a key twice in one call gets 0, then -705), for size 0 or an
+  empty key, and for every key when the lists differ in length; -200 if no holder has room (the
+  reservation takes its room at once: a later put that no longer fits gets -200).
+- While the session is open the key is absent: ``is_exist`` 0, ``get`` b"", replicas ``[]``;
+  ``get_size``, ``get_into``, the batch reads and ``remove`` (also forced) answer -703
+  (REPLICA_IS_NOT_READY); a plain ``put`` (any put: from buffers, batches) answers 0 and writes
+  nothing; ``remove_all`` leaves it.
+- ``batch_put_from_multi_buffer_ranges`` writes each buffer at its offset within the reserved
+  object and answers the bytes written per key; later writes overwrite earlier ones. -600 for a key
+  without this client's session (or another client's), a range past the reserved size, per-key
+  lists of different lengths; -702 (INVALID_REPLICA) for no ranges; a zero-size range writes 0.
+- ``batch_put_session_end`` answers 0 and the value is readable; the bytes no write reached hold
+  whatever the holder's memory held: zeros when fresh, the bytes of a freed value when reused
+  (never count on zeros). ``batch_put_session_revoke`` answers 0 and the key is absent again.
+  After either, this client's end or revoke of the key answers -600 (as for a key never started).
+- An ``upsert`` during the session stores its value (``is_exist`` 1); the session's own writes still
+  answer their sizes, but its end answers -601 (ILLEGAL_CLIENT) and its revoke -601, neither removes
+  the upserted value, and the session stays open on the client (its new start answers -600) until a
+  revoke succeeds, which it does once the key is gone.
+- A client that closes does not revoke its sessions: the key stays reserved (-705 to others) until
+  the master's ``put_start_discard_timeout_sec`` (30 s; not tested here). A session whose room sat
+  on a holder that left: its writes answer -600, its end -704.
 """
 
 from __future__ import annotations
@@ -28,6 +56,7 @@ import ast
 import ctypes
 import inspect
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -48,8 +77,13 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 OK = 0
+NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
+ILLEGAL_CLIENT = -601
+INVALID_REPLICA = -702
+REPLICA_IS_NOT_READY = -703
 NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
 HAS_LEASE = -706
 TRANSFER_FAIL = -800
 STUB = Path(__file__).resolve().parents[3] / "stubs" / "mooncake" / "store.pyi"
@@ -579,3 +613,282 @@ def test_a_key_twice_in_one_batch_read_leaves_a_buffer_unfilled(
     assert _int_list(got) == [5, 5]
     assert arena.read(start, 5) == bytes([SENTINEL]) * 5  # reported as read, never written
     assert arena.read(start + 64, 5) == b"HELLO"
+
+
+# -- put sessions (put-if-absent) ---------------------------------------------------------------
+
+SESSION_AT = 600 * 1024
+"""Where in the arena the put session tests keep their bytes (the tests above use less)."""
+
+
+@pytest.fixture(scope="module")
+def other(binding: Binding, session_master: Master) -> Iterator[MooncakeDistributedStore]:
+    """A second client of the module's master (no segment of its own)."""
+    s = _setup(binding, session_master.address, segment=0)
+    yield s
+    assert s.close() == OK
+
+
+def test_put_session_round_trip_with_ranged_offsets(
+    store: MooncakeDistributedStore, arena: Arena, key: str
+) -> None:
+    keys = [key, key + "-b"]
+    assert _int_list(store.batch_put_session_start(keys, [20, 7])) == [OK, OK]
+    arena.fill(SESSION_AT, b"0123456789")
+    arena.fill(SESSION_AT + 100, b"ABCDEFGHIJ")
+    arena.fill(SESSION_AT + 200, b"session")
+    # out of order, each buffer at its offset in the entry; one key per list entry
+    ptrs = [arena.spans([SESSION_AT + 100, SESSION_AT], [10, 10]), arena.spans([SESSION_AT + 200], [7])]
+    written = store.batch_put_from_multi_buffer_ranges(keys, ptrs, [[10, 10], [7]], [[10, 0], [0]])
+    assert _int_list(written) == [20, 7]  # the bytes written per key
+    assert store.is_exist(key) == 0  # written, not yet ended
+    # a later write lands over an earlier one
+    assert _int_list(
+        store.batch_put_from_multi_buffer_ranges([key], [arena.spans([SESSION_AT], [2])], [[2]], [[18]])
+    ) == [2]
+    assert _int_list(store.batch_put_session_end(keys)) == [OK, OK]
+    assert store.get_batch(keys) == [b"0123456789ABCDEFGH01", b"session"]
+    assert store.get_size(key) == 20
+    assert store.is_exist(key) == 1
+    # the sessions are over: ending or revoking them again is refused, the keys are held
+    assert _int_list(store.batch_put_session_end([key])) == [INVALID_PARAMS]
+    assert _int_list(store.batch_put_session_revoke([key])) == [INVALID_PARAMS]
+    assert _int_list(store.batch_put_session_start(keys, [20, 7])) == [OBJECT_ALREADY_EXISTS] * 2
+    assert store.get(key) == b"0123456789ABCDEFGH01"
+
+
+def test_put_session_start_codes(
+    store: MooncakeDistributedStore, other: MooncakeDistributedStore, key: str
+) -> None:
+    assert store.put(key + "-held", b"v") == OK
+    opened = [key, key + "-new", key + "-twice"]
+    try:
+        assert _int_list(store.batch_put_session_start([key + "-held"], [1])) == [OBJECT_ALREADY_EXISTS]
+        assert _int_list(store.batch_put_session_start([key], [8])) == [OK]
+        assert _int_list(other.batch_put_session_start([key], [8])) == [OBJECT_ALREADY_EXISTS]
+        # this client's own open session: -600 (also twice in one call), the other keys go on
+        started = store.batch_put_session_start([key, key + "-new", key], [8, 8, 8])
+        assert _int_list(started) == [INVALID_PARAMS, OK, INVALID_PARAMS]
+        # a key twice in one call, not open before it: the second start finds the first's session
+        assert _int_list(store.batch_put_session_start([key + "-twice"] * 2, [4, 4])) == [
+            OK,
+            OBJECT_ALREADY_EXISTS,
+        ]
+        assert _int_list(store.batch_put_session_start([key + "-zero"], [0])) == [INVALID_PARAMS]
+        assert _int_list(store.batch_put_session_start([""], [4])) == [INVALID_PARAMS]
+        assert _int_list(store.batch_put_session_start([key + "-x", key + "-y"], [4])) == [INVALID_PARAMS] * 2
+        assert _int_list(store.batch_put_session_start([key + "-huge"], [1 << 40])) == [NO_AVAILABLE_HANDLE]
+        assert _int_list(store.batch_put_session_start([], [])) == []
+        assert store.batch_is_exist([key + "-zero", key + "-x", key + "-huge"]) == [0, 0, 0]
+    finally:
+        assert _int_list(store.batch_put_session_revoke(opened)) == [OK] * 3
+
+
+def test_put_session_start_race_has_one_winner(
+    binding: Binding,
+    session_master: Master,
+    store: MooncakeDistributedStore,
+    other: MooncakeDistributedStore,
+    key: str,
+) -> None:
+    third = _setup(binding, session_master.address, segment=0)
+    try:
+        racers = [store, other, third]
+        barrier = threading.Barrier(len(racers))
+        codes: list[list[int]] = [[] for _ in racers]
+
+        def race(i: int) -> None:
+            barrier.wait()
+            codes[i] = racers[i].batch_put_session_start([key], [8])
+
+        threads = [threading.Thread(target=race, args=(i,)) for i in range(len(racers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(_int_list(c) for c in codes)
+        assert sorted(c for (c,) in codes) == [OBJECT_ALREADY_EXISTS, OBJECT_ALREADY_EXISTS, OK]
+        (winner,) = [r for r, (c,) in zip(racers, codes, strict=True) if c == OK]
+        assert _int_list(winner.batch_put_session_revoke([key])) == [OK]
+    finally:
+        assert third.close() == OK
+
+
+def test_a_closed_client_keeps_its_put_sessions(
+    binding: Binding, session_master: Master, other: MooncakeDistributedStore, key: str
+) -> None:
+    """Closing does not revoke: the key stays reserved until the master's discard timeout."""
+    leaving = _setup(binding, session_master.address, segment=0)
+    try:
+        assert _int_list(leaving.batch_put_session_start([key], [8])) == [OK]
+    finally:
+        assert leaving.close() == OK
+    assert _int_list(other.batch_put_session_start([key], [8])) == [OBJECT_ALREADY_EXISTS]
+    assert other.is_exist(key) == 0
+
+
+def test_put_session_revoke_frees_the_key(
+    store: MooncakeDistributedStore, other: MooncakeDistributedStore, arena: Arena, key: str
+) -> None:
+    assert _int_list(store.batch_put_session_start([key], [8])) == [OK]
+    arena.fill(SESSION_AT, b"revoked!")
+    assert _int_list(
+        store.batch_put_from_multi_buffer_ranges([key], [arena.spans([SESSION_AT], [8])], [[8]], [[0]])
+    ) == [8]
+    # only its own client ends or revokes a session
+    assert _int_list(other.batch_put_session_revoke([key])) == [INVALID_PARAMS]
+    assert _int_list(other.batch_put_session_end([key])) == [INVALID_PARAMS]
+    assert _int_list(store.batch_put_session_revoke([key, key + "-never"])) == [OK, INVALID_PARAMS]
+    assert store.is_exist(key) == 0
+    assert store.get(key) == b""
+    assert _int_list(other.batch_put_session_start([key], [8])) == [OK]
+    # the other client's session now: this client cannot write into it
+    rc = store.batch_put_from_multi_buffer_ranges([key], [arena.spans([SESSION_AT], [8])], [[8]], [[0]])
+    assert _int_list(rc) == [INVALID_PARAMS]
+    assert _int_list(other.batch_put_session_revoke([key])) == [OK]
+    assert _int_list(store.batch_put_session_start([key], [8])) == [OK]
+    assert _int_list(store.batch_put_session_revoke([key])) == [OK]
+
+
+def test_a_key_in_a_put_session_is_invisible(
+    store: MooncakeDistributedStore, other: MooncakeDistributedStore, arena: Arena, key: str
+) -> None:
+    assert _int_list(store.batch_put_session_start([key], [8])) == [OK]
+    arena.fill(SESSION_AT, b"SESSION!" + b"intruder")
+    intruder = arena.spans([SESSION_AT + 8], [8])
+    assert (store.is_exist(key), other.is_exist(key)) == (0, 0)
+    assert store.batch_is_exist([key]) == [0]
+    assert (store.get(key), other.get(key)) == (b"", b"")
+    assert store.get_batch([key]) == [b""]
+    assert store.get_replica_desc(key) == []
+    assert store.get_size(key) == REPLICA_IS_NOT_READY
+    assert store.get_into(key, intruder[0] + 64, 64) == REPLICA_IS_NOT_READY
+    assert _int_list(
+        store.batch_get_into_multi_buffers([key], [arena.spans([SESSION_AT + 64], [8])], [[8]])
+    ) == [REPLICA_IS_NOT_READY]
+    assert store.remove(key) == REPLICA_IS_NOT_READY
+    assert store.remove(key, force=True) == REPLICA_IS_NOT_READY
+    # plain puts report success and write nothing, from either client
+    assert other.put(key, b"intruder") == OK
+    assert store.put(key, b"intruder") == OK
+    assert _int_list(store.batch_put_from_multi_buffers([key], [intruder], [[8]])) == [OK]
+    assert store.put_batch([key], [b"intruder"]) == OK
+    assert store.is_exist(key) == 0
+    sent = store.batch_put_from_multi_buffer_ranges([key], [arena.spans([SESSION_AT], [8])], [[8]], [[0]])
+    assert _int_list(sent) == [8]
+    assert _int_list(store.batch_put_session_end([key])) == [OK]
+    assert other.get(key) == b"SESSION!"
+
+
+def test_put_session_short_write_keeps_the_reserved_size(
+    store: MooncakeDistributedStore, arena: Arena, key: str
+) -> None:
+    """An end does not check that every byte was written: the value keeps the size reserved,
+    and the bytes no write reached are whatever the holder's memory held (next test)."""
+    assert _int_list(store.batch_put_session_start([key], [16])) == [OK]
+    arena.fill(SESSION_AT, b"abcd")
+    assert _int_list(
+        store.batch_put_from_multi_buffer_ranges([key], [arena.spans([SESSION_AT], [4])], [[4]], [[2]])
+    ) == [4]
+    assert _int_list(store.batch_put_session_end([key])) == [OK]
+    value = store.get(key)
+    assert len(value) == 16
+    assert value[2:6] == b"abcd"
+    assert store.get_size(key) == 16
+
+
+def test_put_session_bytes_not_written_are_not_zeroed(binding: Binding, fresh_master: Master) -> None:
+    """A session's room reuses the memory of a freed value as it is: what a session never wrote
+    reads back as that value's bytes (the fake: `UNWRITTEN_BYTE`), not as zeros."""
+    s = _setup(binding, fresh_master.address)
+    try:
+        assert s.put("freed", b"\xff" * 5000) == OK
+        assert s.remove("freed", force=True) == OK
+        assert _int_list(s.batch_put_session_start(["unwritten"], [5000])) == [OK]
+        assert _int_list(s.batch_put_session_end(["unwritten"])) == [OK]
+        value = s.get("unwritten")
+        assert len(value) == 5000
+        assert value != bytes(5000)
+    finally:
+        assert s.close() == OK
+
+
+def test_put_session_range_codes(store: MooncakeDistributedStore, arena: Arena, key: str) -> None:
+    ptr = arena.spans([SESSION_AT], [8])[0]
+    write = store.batch_put_from_multi_buffer_ranges
+    assert _int_list(write([key], [[ptr]], [[8]], [[0]])) == [INVALID_PARAMS]  # no session
+    assert _int_list(store.batch_put_session_start([key], [8])) == [OK]
+    try:
+        assert _int_list(write([key], [[ptr]], [[8]], [[1]])) == [INVALID_PARAMS]  # one byte past
+        assert _int_list(write([key], [[ptr]], [[2]], [[8]])) == [INVALID_PARAMS]  # starts past
+        assert _int_list(write([key], [[ptr, ptr]], [[2]], [[0]])) == [INVALID_PARAMS]  # per-key lengths
+        assert _int_list(write([key, key + "-b"], [[ptr]], [[2]], [[0]])) == [INVALID_PARAMS] * 2
+        assert _int_list(write([key], [[]], [[]], [[]])) == [INVALID_REPLICA]  # no ranges
+        assert _int_list(write([key], [[ptr]], [[0]], [[0]])) == [0]
+        assert _int_list(write([], [], [], [])) == []
+        assert _int_list(write([key], [[ptr]], [[8]], [[0]])) == [8]  # the session is still usable
+    finally:
+        assert _int_list(store.batch_put_session_revoke([key])) == [OK]
+    assert _int_list(store.batch_put_session_end([])) == []
+    assert _int_list(store.batch_put_session_revoke([])) == []
+
+
+def test_put_session_end_after_an_upsert_is_refused(
+    store: MooncakeDistributedStore, other: MooncakeDistributedStore, arena: Arena, key: str
+) -> None:
+    assert _int_list(store.batch_put_session_start([key], [8])) == [OK]
+    assert other.upsert(key, b"UPSERTED") == OK  # an upsert does not wait for the session
+    assert store.is_exist(key) == 1
+    arena.fill(SESSION_AT, b"session!")
+    sent = store.batch_put_from_multi_buffer_ranges([key], [arena.spans([SESSION_AT], [8])], [[8]], [[0]])
+    assert _int_list(sent) == [8]
+    assert _int_list(store.batch_put_session_end([key])) == [ILLEGAL_CLIENT]
+    assert _int_list(store.batch_put_session_revoke([key])) == [ILLEGAL_CLIENT]
+    assert store.get(key) == b"UPSERTED"
+    # the session stays open on its client until a revoke succeeds, once the key is gone
+    assert _int_list(store.batch_put_session_start([key], [8])) == [INVALID_PARAMS]
+    assert other.remove(key, force=True) == OK
+    assert _int_list(store.batch_put_session_revoke([key])) == [OK]
+    assert _int_list(store.batch_put_session_start([key], [8])) == [OK]
+    assert _int_list(store.batch_put_session_revoke([key])) == [OK]
+
+
+def test_put_session_keyword_names_of_the_stub(
+    store: MooncakeDistributedStore, binding: Binding, arena: Arena, key: str
+) -> None:
+    arena.fill(SESSION_AT, b"kw")
+    started = store.batch_put_session_start(
+        keys=[key, key + "-r"], sizes=[2, 2], config=binding.replicate_config()
+    )
+    assert _int_list(started) == [OK, OK]
+    sent = store.batch_put_from_multi_buffer_ranges(
+        keys=[key],
+        all_buffer_ptrs=[arena.spans([SESSION_AT + 1, SESSION_AT], [1, 1])],
+        all_sizes=[[1, 1]],
+        all_dst_offsets=[[1, 0]],
+    )
+    assert _int_list(sent) == [2]
+    assert _int_list(store.batch_put_session_end(keys=[key])) == [OK]
+    assert _int_list(store.batch_put_session_revoke(keys=[key + "-r"])) == [OK]
+    assert store.get_batch([key, key + "-r"]) == [b"kw", b""]
+
+
+def test_fake_master_discards_a_stale_put_session() -> None:
+    """The fake's model of ``put_start_discard_timeout_sec`` (too slow to test on the real one):
+    a reservation older than it gives way to the next start of its key."""
+    with FakeMooncakeMaster(put_start_discard_timeout_s=0.05) as master:
+        clients = [FakeMooncakeStore(), FakeMooncakeStore()]
+        for c in clients:
+            assert c.setup("127.0.0.1", "P2PHANDSHAKE", MiB, MiB, "tcp", "", master.address) == OK
+        first, second = clients
+        assert first.batch_put_session_start(["k"], [8]) == [OK]
+        assert master.reserved() == ["k"]
+        assert second.batch_put_session_start(["k"], [8]) == [OBJECT_ALREADY_EXISTS]
+        time.sleep(0.1)
+        assert second.batch_put_session_start(["k"], [8]) == [OK]
+        assert first.batch_put_session_end(["k"]) == [ILLEGAL_CLIENT]  # no longer its session
+        assert second.batch_put_session_end(["k"]) == [OK]
+        assert master.reserved() == []
+        assert master.keys() == ["k"]
+        for c in clients:
+            assert c.close() == OK

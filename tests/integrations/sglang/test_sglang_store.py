@@ -11,12 +11,13 @@ import contextlib
 import functools
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests._support import ROOMY_TIMEOUT, count_multi_buffer_puts, local_config, raw_client
+from tests._support import ROOMY_TIMEOUT, local_config, raw_client
 from tests.integrations.sglang.sglang_support import require_sglang, unpinned_controller, wait_until
 
 require_sglang()
@@ -218,27 +219,73 @@ def test_paged_round_trip_through_sglang_controllers(make_store: Callable[..., M
     assert (stats.hits, stats.misses, stats.corrupt) == (2, 1, 0)
 
 
-def count_upserts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Like `count_multi_buffer_puts`, for the binding's ``batch_upsert_from`` (staged writes)."""
+WRITES = (
+    "batch_put_from_multi_buffers",
+    "batch_put_from_multi_buffer_ranges",
+    "batch_upsert_from",
+    "upsert_from",
+    "put_from",
+)
+"""The binding's calls that send entries' bytes to the store (one key list each, but ``upsert_from``
+and ``put_from``, one key)."""
+
+
+def count_writes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, stores made by `MooncakeCache` record each key their binding sends bytes
+    for (any of `WRITES`): the list gets the call's name once per key."""
     import mooncake.store
 
-    calls: list[int] = []
+    calls: list[str] = []
     real = mooncake.store.MooncakeDistributedStore
 
-    class Counting(real):  # type: ignore[misc, valid-type]
-        def batch_upsert_from(self, keys: list[str], *args: object, **kwargs: object) -> object:
-            calls.append(len(keys))
-            return super().batch_upsert_from(keys, *args, **kwargs)
+    def counted(name: str) -> Callable[..., object]:
+        write = getattr(real, name)
 
+        def call(self: object, keys: object, *args: object, **kwargs: object) -> object:
+            calls.extend([name] * (len(keys) if isinstance(keys, list) else 1))
+            return write(self, keys, *args, **kwargs)
+
+        return call
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        pass
+
+    for name in WRITES:
+        setattr(Counting, name, counted(name))
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", Counting)
     return calls
+
+
+def look_together(monkeypatch: pytest.MonkeyPatch, racers: int) -> threading.Event:
+    """From now on, stores made by `MooncakeCache` hold the answer of their first
+    ``batch_is_exist`` after the returned event is set until `racers` stores have theirs:
+    every racer has seen an image absent before any of them writes it."""
+    import mooncake.store
+
+    armed = threading.Event()
+    everyone = threading.Barrier(racers, timeout=60)  # a broken barrier fails the test, never hangs it
+    looked: set[int] = set()
+    lock = threading.Lock()
+    real = mooncake.store.MooncakeDistributedStore
+
+    class Together(real):  # type: ignore[misc, valid-type]
+        def batch_is_exist(self, keys: list[str]) -> object:
+            answer = super().batch_is_exist(keys)
+            with lock:
+                first = armed.is_set() and id(self) not in looked
+                looked.add(id(self))
+            if first:
+                everyone.wait()
+            return answer
+
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", Together)
+    return armed
 
 
 def test_puts_go_straight_from_the_pool_pages_and_an_entry_held_already_is_kept(
     make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    puts = count_multi_buffer_puts(monkeypatch)
-    upserts = count_upserts(monkeypatch)
+    writes = count_writes(monkeypatch)
     image = SGLangModality.IMAGE
     trusted = functools.partial(make_store, trusted_network=True)  # pools registered only then
     with two_encoders(trusted) as (writer_store, writer, reader_store, reader):
@@ -249,7 +296,8 @@ def test_puts_go_straight_from_the_pool_pages_and_an_entry_held_already_is_kept(
         for h, t in expected.items():
             fill(writer, h, t, image)
         publish(writer, list(expected), image)
-        assert puts == [3] and upserts == []  # header and pool pages in one multi-buffer put
+        # header and pool pages of each in one put session's ranged put
+        assert writes == ["batch_put_from_multi_buffer_ranges"] * 3
         got = fetch(reader, list(expected), [t.shape[0] for t in expected.values()], image)
         assert all(g is not None and torch.equal(g, t) for g, t in zip(got, expected.values(), strict=True))
         # another encoder of the fleet encoded the same image meanwhile: its put is kept out
@@ -258,7 +306,7 @@ def test_puts_go_straight_from_the_pool_pages_and_an_entry_held_already_is_kept(
             reader._evict_entry(h)
         fill(reader, h, expected[h], image)
         publish(reader, [h], image)
-        assert puts == [3] and upserts == []  # nothing written: the held entry verified
+        assert len(writes) == 3  # nothing written: the held entry verified
         assert reader_store.stats().skipped == 1
 
 
@@ -267,34 +315,41 @@ PATIENT = 5.0
 put into a miss there."""
 
 
+RACERS = 4
+RACE_TIMEOUT = 30.0
+"""The racers' deadline: far past the wait for the slowest racer's lookup on a crowded host."""
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["staged", "from-pool-pages"])
 def test_racing_encoders_write_one_image_once(
-    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch, trusted: bool
 ) -> None:
-    puts = count_multi_buffer_puts(monkeypatch)
-    upserts = count_upserts(monkeypatch)
-    stores = [make_store(timeout=PATIENT) for _ in range(5)]
+    writes = count_writes(monkeypatch)
+    together = look_together(monkeypatch, RACERS)
+    stores = [make_store(timeout=RACE_TIMEOUT, trusted_network=trusted) for _ in range(RACERS)]
     pages_of = [pages(store, 30) for store in stores]
+    image = embedding(30, 64, 123)
     for pool, _, _ in pages_of:
-        pool[:30] = embedding(30, 64, 123)  # the same image, encoded by each
-    put = [
-        lambda i=i: stores[i].batch_put_from_multi_buffers(["321"], pages_of[i][1], pages_of[i][2])
-        for i in range(5)
-    ]
-    with concurrent.futures.ThreadPoolExecutor(3) as racing:
-        results = list(racing.map(lambda call: call(), put[:3]))
-    # a put that looked while another was landing may fail (SGLang then keeps its local
-    # entry); one that looked after a write landed keeps what is there: one write each at most
-    assert all(r in ([True], [False]) for r in results)
-    assert sum(puts) + sum(upserts) <= 3
-    assert put[3]() == [True]  # held (or written, if the race left nothing)
-    before = (sum(puts), sum(upserts))
-    assert put[4]() == [True]
-    assert (sum(puts), sum(upserts)) == before  # a later put of a held entry writes nothing
-    assert stores[4].stats().skipped == 1
-    reader = make_store(timeout=PATIENT)
-    dst, ptrs, sizes = pages(reader, 30)
-    assert reader.batch_get_into_multi_buffers(["321"], ptrs, sizes) == [True]
-    assert torch.equal(dst[:30], embedding(30, 64, 123))
+        pool[:30] = image  # the same image, encoded by each
+    start = threading.Barrier(RACERS, timeout=60)
+
+    def put(i: int) -> list[bool]:
+        start.wait()
+        return stores[i].batch_put_from_multi_buffers(["321"], pages_of[i][1], pages_of[i][2])
+
+    together.set()  # each racer sees the image absent before any writes it
+    with concurrent.futures.ThreadPoolExecutor(RACERS) as racing:
+        results = list(racing.map(put, range(RACERS)))
+    assert results == [[True]] * RACERS  # stored, or kept as another racer stores it
+    assert len(writes) == 1  # the first writer wins; the others write nothing
+    assert sorted(store.stats().skipped for store in stores) == [0] + [1] * (RACERS - 1)
+    assert sum(store.stats().inserts for store in stores) == 1
+    for store, (pool, ptrs, sizes) in zip(stores, pages_of, strict=True):
+        pool.zero_()
+        assert store.batch_get_into_multi_buffers(["321"], ptrs, sizes) == [True]
+        assert torch.equal(pool[:30], image)  # the one entry, verified, read by every racer
+    assert stores[0].batch_put_from_multi_buffers(["321"], pages_of[0][1], pages_of[0][2]) == [True]
+    assert len(writes) == 1  # a later put of a held entry writes nothing
 
 
 def test_an_entry_held_already_that_does_not_verify_is_replaced(

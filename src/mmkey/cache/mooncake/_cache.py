@@ -28,7 +28,7 @@ from mmkey.cache.health import CacheHealth
 from mmkey.cache.mooncake._parts import LOG, CacheParts
 from mmkey.cache.mooncake._reads import Reader
 from mmkey.cache.mooncake._transport import RPC_FAILURES, StoreTransport
-from mmkey.cache.mooncake._writes import Writer
+from mmkey.cache.mooncake._writes import Added, Writer
 from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
 from mmkey.entry.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
@@ -205,9 +205,10 @@ class MooncakeCache:
         self._check_open()
         texts, tensors = insert_args(keys, embeddings)
         latest = dict(zip(texts, tensors, strict=True))
-        stored = self._writer.write(list(latest), list(latest.values()), give_up) if latest else {}
-        self._counts.add(inserts=sum(stored.values()))
-        return [stored.get(text, False) for text in texts]
+        written = self._writer.write(list(latest), list(latest.values()), give_up) if latest else {}
+        stored = [written.get(text) is Added.STORED for text in texts]
+        self._counts.add(inserts=sum(outcome is Added.STORED for outcome in written.values()))
+        return stored
 
     def register_memory(self, tensor: torch.Tensor) -> None:
         """Register a contiguous host tensor (e.g. an embedding pool) with the store, so that
@@ -312,6 +313,30 @@ class MooncakeCache:
         stored = self._writer.write_from(latest, self._give_up()) if latest else {}
         self._counts.add(inserts=sum(stored.values()))
         return [stored.get(text, False) for text in texts]
+
+    def add_from(
+        self,
+        keys: Sequence[CacheKey],
+        payloads: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+    ) -> list[Added]:
+        """Store each payload under its key only if no client of the store holds the key or
+        is writing it: of clients racing to add one key, exactly one writes; what each did.
+
+        `Added.STORED`: this call wrote the entry. `Added.HELD`: nothing written, as the
+        store holds the key (whether its entry verifies or not: replace one with
+        `insert_from`) or another client is writing it. `Added.FAILED`: nothing written (a
+        fault, a full store, the timeout). Payloads are as `insert_from` takes them, sent
+        straight from memory given to `register_memory` or through staging the same way;
+        both go through Mooncake's put sessions, which grant a key to its first writer. A
+        key given twice in one batch is added with its last payload.
+        """
+        self._check_open()
+        texts = key_texts(keys, "add_from")
+        plans = _target_runs(payloads, len(texts), "add_from", "payloads")
+        latest = dict(zip(texts, plans, strict=True))
+        added = self._writer.add_from(latest, self._give_up()) if latest else {}
+        self._counts.add(inserts=sum(outcome is Added.STORED for outcome in added.values()))
+        return [added.get(text, Added.FAILED) for text in texts]
 
     def prefetch(self, keys: Sequence[CacheKey]) -> int:
         """How many of the keys the store holds (a remote store has no nearer tier)."""

@@ -4,12 +4,16 @@
 entry larger than the buffer gets a registered buffer of its own). `Writer.write_from` sends
 payloads that lie in memory registered with the store straight from it, a header from
 staging beside them, when the key is new (Mooncake's multi-buffer put never replaces an
-entry), and sends the rest through `write`. Every write asks the store for
-``config.replica_num`` copies.
+entry), and sends the rest through `write`. `Writer.add_from` writes only keys that no client
+holds or is writing, through Mooncake's put sessions (the first client to start one for a
+key wins; every other start answers ``-705``), from registered memory or staging alike: a
+plain put cannot tell, as it answers 0 for a key that exists or is being written and writes
+nothing. Every write asks the store for ``config.replica_num`` copies.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import threading
 import time
@@ -28,10 +32,43 @@ if TYPE_CHECKING:
     import torch
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-__all__ = ["Writer"]
+__all__ = ["Added", "Writer"]
 
 _PUT_CHUNK = 64 << 20
 """Payload bytes sealed and sent per multi-buffer put."""
+_ALREADY_EXISTS = -705
+"""Mooncake's OBJECT_ALREADY_EXISTS: a put session's start for a key that the store holds or
+that another client is writing (measured, mooncake 0.3.13)."""
+
+
+class Added(enum.Enum):
+    """What a put-if-absent (`MooncakeCache.add_from`) did with one key."""
+
+    STORED = "stored"
+    """This call wrote the entry: it was the key's first writer."""
+    HELD = "held"
+    """Nothing written: the store holds the key, or another client is writing it."""
+    FAILED = "failed"
+    """Nothing written: a fault, a full store, or the call's deadline."""
+
+
+def _as_added(stored: dict[str, bool]) -> dict[str, Added]:
+    """Upsert outcomes (stored or not) as `Added` outcomes."""
+    return {text: Added.STORED if ok else Added.FAILED for text, ok in stored.items()}
+
+
+def _as_stored(outcomes: dict[str, Added]) -> dict[str, bool]:
+    """`Added` outcomes as whether each key was written by this call."""
+    return {text: outcome is Added.STORED for text, outcome in outcomes.items()}
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each of an entry's buffers lands in the entry: the sizes before it, summed."""
+    at, offsets = 0, []
+    for size in sizes:
+        offsets.append(at)
+        at += size
+    return offsets
 
 
 def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, list[torch.Tensor]]]:
@@ -56,8 +93,11 @@ class Writer:
         self._parts = parts
         self._replicas: ReplicateConfig | None = None  # made on first write
 
-    def write(self, texts: list[str], tensors: list[torch.Tensor], give_up: float) -> dict[str, bool]:
-        """Upsert entries through the staging buffer on the worker, within one timeout."""
+    def write(
+        self, texts: list[str], tensors: list[torch.Tensor], give_up: float, *, only_new: bool = False
+    ) -> dict[str, Added]:
+        """Write entries through the staging buffer on the worker, within one timeout: upserts,
+        or with `only_new` put sessions that write only keys no client holds or is writing."""
         keyring = self._parts.keyring
         sizes = [entry_size(text, t, keyring=keyring) for text, t in zip(texts, tensors, strict=True)]
         ready = host_ready(tensors)  # CUDA tensors: an event on the caller's current stream
@@ -79,7 +119,7 @@ class Writer:
                     raise StoreError("insert_batch stopped waiting; its tensors are not read")
                 stage_entry(staging, at, size, text, tensor, keyring)
 
-        def write(store: MooncakeDistributedStore, lane_staging: Staging) -> dict[str, bool]:
+        def write(store: MooncakeDistributedStore, lane_staging: Staging) -> dict[str, Added]:
             ready.wait()  # the caller's kernels writing the tensors have finished
             lane_staging.view(store)  # prepared at set-up; this only checks
             if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
@@ -89,23 +129,30 @@ class Writer:
             finally:
                 lane_staging.lease.release()
 
-        def fill_and_flush(store: MooncakeDistributedStore, staging: Staging) -> dict[str, bool]:
-            stored: dict[str, bool] = {}
+        def flush(
+            store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
+        ) -> dict[str, Added]:
+            if only_new:
+                return self._add_staged_on_worker(store, base, batch)
+            return _as_added(self._flush_on_worker(store, base, batch))
+
+        def fill_and_flush(store: MooncakeDistributedStore, staging: Staging) -> dict[str, Added]:
+            stored: dict[str, Added] = {}
             batch: list[tuple[str, int, int]] = []  # key text, offset, size
             used = 0
             for text, t, size in zip(texts, tensors, sizes, strict=True):
                 if size > staging.nbytes:
                     out_of_time(give_up)
-                    stored[text] = self._write_large_on_worker(store, text, t, size, encode)
+                    stored[text] = self._write_large_on_worker(store, text, t, size, encode, only_new)
                     continue
                 if used + size > staging.nbytes:
                     out_of_time(give_up)
-                    stored.update(self._flush_on_worker(store, staging.ptr, batch))
+                    stored.update(flush(store, staging.ptr, batch))
                     batch, used = [], 0
                 stage(staging, used, size, text, t)
                 batch.append((text, used, size))
                 used += aligned(size)
-            stored.update(self._flush_on_worker(store, staging.ptr, batch))
+            stored.update(flush(store, staging.ptr, batch))
             return stored
 
         try:
@@ -131,12 +178,7 @@ class Writer:
         direct: dict[str, list[torch.Tensor]] = {}
         staged: dict[str, list[torch.Tensor]] = {}
         for text, runs in latest.items():
-            in_place = all(
-                self._parts.transport.region_of(t.data_ptr(), nbytes_of(t)) is not None
-                for t in runs
-                if nbytes_of(t)
-            )
-            (direct if in_place else staged)[text] = runs
+            (direct if self._in_registered_memory(runs) else staged)[text] = runs
         stored: dict[str, bool] = {}
         if direct:
             texts = list(direct)
@@ -155,23 +197,49 @@ class Writer:
             for text, code in zip(texts, codes, strict=False):  # unanswered keys: not stored
                 if code == 1 or not registered_now:
                     staged[text] = direct.pop(text)
-            stored.update(self._put_direct(direct, give_up))
+            stored.update(_as_stored(self._put_direct(direct, give_up, only_new=False)))
         if staged:
-            import torch
-
-            tensors = [runs[0] if len(runs) == 1 else torch.cat(runs) for runs in staged.values()]
-            stored.update(self.write(list(staged), tensors, give_up))
+            stored.update(_as_stored(self.write(list(staged), _joined(staged), give_up)))
         return stored
 
-    def _put_direct(self, payloads: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, bool]:
-        """Multi-buffer puts of header (from a lane's staging) and payload runs (from the
-        caller's registered memory), one chunk at a time: the caller's thread seals the next
-        chunk while a lane moves the one before."""
-        stored: dict[str, bool] = {}
+    def add_from(self, latest: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, Added]:
+        """Write payloads held in runs only under keys that no client holds or is writing
+        (put sessions): straight from registered memory where every run lies in it, through
+        staging otherwise. A key left out of the answer was not written."""
+        direct: dict[str, list[torch.Tensor]] = {}
+        staged: dict[str, list[torch.Tensor]] = {}
+        for text, runs in latest.items():
+            (direct if self._in_registered_memory(runs) else staged)[text] = runs
+        added: dict[str, Added] = {}
+        if direct:
+            transport = self._parts.transport
+            registered_now = transport.meta(transport.register_regions, give_up)
+            if registered_now is None:
+                return added
+            if registered_now:
+                added.update(self._put_direct(direct, give_up, only_new=True))
+            else:
+                staged.update(direct)
+        if staged:
+            added.update(self.write(list(staged), _joined(staged), give_up, only_new=True))
+        return added
+
+    def _in_registered_memory(self, runs: list[torch.Tensor]) -> bool:
+        """Whether every non-empty run lies in memory registered with the store."""
+        region_of = self._parts.transport.region_of
+        return all(region_of(t.data_ptr(), nbytes_of(t)) is not None for t in runs if nbytes_of(t))
+
+    def _put_direct(
+        self, payloads: dict[str, list[torch.Tensor]], give_up: float, *, only_new: bool
+    ) -> dict[str, Added]:
+        """Multi-buffer puts (put sessions with `only_new`) of header (from a lane's staging)
+        and payload runs (from the caller's registered memory), one chunk at a time: the
+        caller's thread seals the next chunk while a lane moves the one before."""
+        stored: dict[str, Added] = {}
         if not payloads or not self._parts.transport.ready(give_up):
             return stored
         taken: set[int] = set()
-        inflight: deque[Pending[dict[str, bool]]] = deque()
+        inflight: deque[Pending[dict[str, Added]]] = deque()
 
         def drain_one() -> None:
             pending = inflight.popleft()
@@ -193,7 +261,11 @@ class Writer:
                 self._parts.skipped("every transfer lane stuck")
                 break
             work = functools.partial(
-                self._put_direct_on_worker, headers=headers, payloads=chunk, give_up=give_up
+                self._put_direct_on_worker,
+                headers=headers,
+                payloads=chunk,
+                give_up=give_up,
+                only_new=only_new,
             )
             inflight.append(self._parts.transport.submit(lane, work))
         while inflight:
@@ -207,7 +279,8 @@ class Writer:
         headers: dict[str, bytes],
         payloads: dict[str, list[torch.Tensor]],
         give_up: float,
-    ) -> dict[str, bool]:
+        only_new: bool,
+    ) -> dict[str, Added]:
         staging = lane_staging.view(store)
         if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
             raise TimeoutError("the staging buffer stayed busy past the call's deadline")
@@ -226,21 +299,54 @@ class Writer:
                 ptrs.append([lane_staging.ptr + at, *(t.data_ptr() for t in runs)])
                 sizes.append([len(head), *(nbytes_of(t) for t in runs)])
                 at += aligned(len(head))
+            if only_new:
+                return self._add_on_worker(store, keys, ptrs, sizes)
             codes = self._placed(store.batch_put_from_multi_buffers, keys, ptrs, sizes)
             # strict=False: keys the binding's answer leaves out are not stored
-            return {text: code == 0 for text, code in zip(keys, codes, strict=False)}
+            return _as_added({text: code == 0 for text, code in zip(keys, codes, strict=False)})
         finally:
             lane_staging.lease.release()
 
     def _placed(self, write: Callable[..., list[int]], *args: object) -> list[int]:
         """`write(*args)` (a batch write of the binding) with `config.replica_num` copies
         (Mooncake's default placement for one); `StoreError` if the master did not answer."""
-        one_copy = self._parts.config.replica_num == 1
-        codes = write(*args) if one_copy else write(*args, self._replicate())
+        codes = self._with_replicas(write, *args)
         if not RPC_FAILURES.isdisjoint(codes):
             name = getattr(write, "__name__", "batch write")
             raise StoreError(f"{name}: master unreachable ({codes[0]})")
         return codes
+
+    def _with_replicas(self, write: Callable[..., list[int]], *args: object) -> list[int]:
+        """`write(*args)` with `config.replica_num` copies (Mooncake's default placement for one)."""
+        return write(*args) if self._parts.config.replica_num == 1 else write(*args, self._replicate())
+
+    def _add_on_worker(
+        self, store: MooncakeDistributedStore, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> dict[str, Added]:
+        """Write each entry (its buffers, joined) only if no client holds or is writing its
+        key: a put session per key (Mooncake grants a key's start to one client; the others
+        get ``-705``), the buffers sent into it, and its end, which makes it readable. A
+        session whose bytes did not all land, or whose end failed, is revoked; `StoreError`
+        (after the revokes) if the master did not answer."""
+        totals = [sum(run) for run in sizes]
+        starts = self._with_replicas(store.batch_put_session_start, keys, totals)
+        outcome = {
+            key: Added.HELD if code == _ALREADY_EXISTS else Added.FAILED
+            for key, code in zip(keys, starts, strict=False)  # keys left unanswered: not written
+            if code != 0
+        }
+        opened = [i for i, code in enumerate(starts[: len(keys)]) if code == 0]
+        ended = _fill_sessions(
+            store,
+            [keys[i] for i in opened],
+            [ptrs[i] for i in opened],
+            [sizes[i] for i in opened],
+            [totals[i] for i in opened],
+        )
+        outcome.update({keys[i]: Added.STORED if keys[i] in ended else Added.FAILED for i in opened})
+        if not RPC_FAILURES.isdisjoint(starts):
+            raise StoreError(f"batch_put_session_start: master unreachable ({starts[0]})")
+        return outcome
 
     def _replicate(self) -> ReplicateConfig:
         """Mooncake's per-write placement settings: `config.replica_num` copies."""
@@ -264,6 +370,17 @@ class Writer:
         # strict=False: keys the binding's answer leaves out are not stored
         return {text: code == 0 for text, code in zip(keys, codes, strict=False)}
 
+    def _add_staged_on_worker(
+        self, store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
+    ) -> dict[str, Added]:
+        """`_add_on_worker` of entries sealed in staging at ``base``."""
+        if not batch:
+            return {}
+        keys = [text for text, _, _ in batch]
+        return self._add_on_worker(
+            store, keys, [[base + at] for _, at, _ in batch], [[n] for _, _, n in batch]
+        )
+
     def _write_large_on_worker(
         self,
         store: MooncakeDistributedStore,
@@ -271,16 +388,54 @@ class Writer:
         tensor: torch.Tensor,
         size: int,
         encode: Callable[[memoryview, str, torch.Tensor], None],
-    ) -> bool:
+        only_new: bool,
+    ) -> Added:
         import torch
 
         buf = torch.empty(size, dtype=torch.uint8)
         encode(byte_view(buf, writable=True), text, tensor)
         with registered(store, buf) as ptr:
+            if only_new:
+                return self._add_on_worker(store, [text], [[ptr]], [[size]]).get(text, Added.FAILED)
             if self._parts.config.replica_num == 1:
                 code = store.upsert_from(text, ptr, size)
             else:
                 code = store.upsert_from(text, ptr, size, self._replicate())
         if code in RPC_FAILURES:
             raise StoreError(f"upsert_from: master unreachable ({code})")
-        return code == 0
+        return Added.STORED if code == 0 else Added.FAILED
+
+
+def _joined(runs_of: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each payload's runs as one tensor (the runs themselves where there is one)."""
+    import torch
+
+    return [runs[0] if len(runs) == 1 else torch.cat(runs) for runs in runs_of.values()]
+
+
+def _fill_sessions(
+    store: MooncakeDistributedStore,
+    keys: list[str],
+    ptrs: list[list[int]],
+    sizes: list[list[int]],
+    totals: list[int],
+) -> set[str]:
+    """Send each opened session's buffers and end it; the keys made readable. Every other
+    session is revoked, whatever happens, so that no reservation outlives this call."""
+    ended: set[str] = set()
+    try:
+        if not keys:
+            return ended
+        offsets = [_offsets(run) for run in sizes]
+        sent = store.batch_put_from_multi_buffer_ranges(keys, ptrs, sizes, offsets)
+        # a range write answers the bytes it wrote; ending a short one would serve whatever
+        # the holder's memory held in the rest
+        whole = [key for key, n, total in zip(keys, sent, totals, strict=False) if n == total]
+        if whole:
+            codes = store.batch_put_session_end(whole)
+            ended.update(key for key, code in zip(whole, codes, strict=False) if code == 0)
+        return ended
+    finally:
+        unfinished = [key for key in keys if key not in ended]
+        if unfinished:
+            store.batch_put_session_revoke(unfinished)

@@ -12,6 +12,7 @@ import attrs
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 
 from mmkey.cache.mooncake import MooncakeCache
+from mmkey.cache.mooncake._writes import Added
 from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
 from mmkey.digest import HashScheme, MMHash, Modality
@@ -127,8 +128,9 @@ class MMKeyEmbeddingStore(EmbeddingStore):
     # -- SGLang's EmbeddingStore -----------------------------------------------------------
 
     def register_buffer(self, tensor: torch.Tensor) -> None:
-        """Record an embedding pool (its modality follows ``REGISTRATION_ORDER``) and register
-        its memory with the store, so puts send entries straight from its pages."""
+        """Record an embedding pool (its modality follows ``REGISTRATION_ORDER``); in
+        trusted-network mode also register its memory with the store, so puts send entries
+        straight from its pages (otherwise they go through staging)."""
         self._pools.register(tensor)
         with self._memo_lock:  # a new pool: lookups of unknown hashes ask its key too
             self._lookups.clear()
@@ -192,7 +194,8 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         """Counters since creation. ``hits`` and `misses` count entries SGLang asked for;
         `corrupt` includes entries whose dtype or shape did not fit the pool pages; `skipped`
         counts hashes and buffers refused without asking the store (bad text, unknown memory)
-        and puts skipped because the store already held a verified entry for the hash."""
+        and puts skipped because the store already held a verified entry for the hash, or
+        because another encoder stored it, or was storing it, first (a racing put)."""
         inner = CacheStats() if self._cache is None else self._cache.stats()
         c = self._counts.totals()
         return CacheStats(
@@ -329,7 +332,10 @@ class MMKeyEmbeddingStore(EmbeddingStore):
 
     def _put(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
         """Store each new entry; an entry the store holds already and that verifies (another
-        encoder of the fleet stored the same image first) is kept, not rewritten."""
+        encoder of the fleet stored the same image first) is kept, not rewritten, and one
+        that does not verify is replaced. A new entry is added only if no encoder holds or
+        is writing it: of encoders racing to put one image, one writes; the others keep
+        its entry (``True``, counted as skipped)."""
         cache = self._cache
         assert cache is not None
         result = [False] * len(hashes)
@@ -338,20 +344,47 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             return result
         held = cache.batch_is_exist([p.key for p in plans])
         present = [p for p, found in zip(plans, held, strict=True) if found]
-        kept: set[int] = set()
-        if present:
-            for plan, entry in zip(present, cache.get_embeddings([p.key for p in present]), strict=True):
-                if entry is not None and _fits(entry, plan.rows):
-                    kept.add(plan.index)
-                    result[plan.index] = True
-            self._counts.add(kept=len(kept))
-        todo = [p for p in plans if p.index not in kept]
-        if todo:
-            stored = cache.insert_from([p.key for p in todo], [p.rows for p in todo])
-            for plan, ok in zip(todo, stored, strict=True):
-                result[plan.index] = ok
+        kept = self._verified(present)
+        for index in kept:
+            result[index] = True
+        absent = [p for p, found in zip(plans, held, strict=True) if not found]
+        stale = [p for p in present if p.index not in kept]  # held, but it does not verify
+        for plans_of, outcome in ((absent, self._add), (stale, self._replace)):
+            if plans_of:
+                for plan, ok in zip(plans_of, outcome(plans_of), strict=True):
+                    result[plan.index] = ok
         self._recent.note(hashes, result)
         return result
+
+    def _add(self, plans: list[_Transfer]) -> list[bool]:
+        """Write entries the store does not hold, unless another encoder writes one first
+        (kept: ``True``, counted); whether each is stored or kept."""
+        cache = self._cache
+        assert cache is not None
+        added = cache.add_from([p.key for p in plans], [p.rows for p in plans])
+        self._counts.add(kept=sum(outcome is Added.HELD for outcome in added))
+        return [outcome is not Added.FAILED for outcome in added]
+
+    def _replace(self, plans: list[_Transfer]) -> list[bool]:
+        """Overwrite held entries that do not verify or fit; whether each is stored."""
+        cache = self._cache
+        assert cache is not None
+        return cache.insert_from([p.key for p in plans], [p.rows for p in plans])
+
+    def _verified(self, present: list[_Transfer]) -> set[int]:
+        """The batch indices of held entries that verify and fit their pool rows (counted kept)."""
+        cache = self._cache
+        assert cache is not None
+        if not present:
+            return set()
+        entries = cache.get_embeddings([p.key for p in present])
+        kept = {
+            plan.index
+            for plan, entry in zip(present, entries, strict=True)
+            if entry is not None and _fits(entry, plan.rows)
+        }
+        self._counts.add(kept=len(kept))
+        return kept
 
 
 def _hash_hooks_installed() -> bool:
