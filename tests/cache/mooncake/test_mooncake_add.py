@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
-from mmkey.cache.mooncake import MooncakeConfig
-from mmkey.cache.mooncake._writes import Added, _fill_sessions
+from mmkey.cache.mooncake import Added, MooncakeConfig
+from mmkey.cache.mooncake._writes import _fill_sessions
 from mmkey.testing.mooncake_master import MasterProcess
 from tests._support import ROOMY_TIMEOUT, MiB, local_config, raw_client, timed
 

@@ -25,11 +25,14 @@ from mmkey.cache.mooncake.config import MooncakeConfig
 
 if TYPE_CHECKING:
     from mmkey.cache.mooncake._cache import MooncakeCache
+    from mmkey.cache.mooncake._writes import Added
 
-__all__ = ["MooncakeCache", "MooncakeConfig"]
+__all__ = ["Added", "MooncakeCache", "MooncakeConfig"]
 
 
 if not TYPE_CHECKING:
     # hidden from type checkers, so a misspelt name stays a type error; the client (its
     # transport threads and exit hook) loads when first named
-    __getattr__, __dir__ = lazy_exports(__name__, globals(), {"MooncakeCache": "_cache"}, __all__)
+    __getattr__, __dir__ = lazy_exports(
+        __name__, globals(), {"MooncakeCache": "_cache", "Added": "_writes"}, __all__
+    )

@@ -18,15 +18,18 @@ hash it is asked was answered yes (found, stored, or read and verified) in the l
 skipping the hop to the cache's worker lane; a stale yes costs SGLang one failed read, after
 which it encodes, and a no, a failed read or a fault forgets the hash.
 
-Data path: in trusted-network mode (``MMKEY_TRUSTED_NETWORK=1``) the pools SGLang registers
-are registered with Mooncake, and a put sends each new entry straight from its pool pages
-(`MooncakeCache.insert_from`: a header sealed over the pages, then header and pages in one
-multi-buffer put); otherwise each entry is assembled in the cache's staging buffer first. A
-hash the store holds already is read back and, when it verifies, kept instead of rewritten. A get lands entries in the
-cache's own staging buffers and copies each into its pages only after it verified
-(`MooncakeCache.read_into`): Mooncake cannot cancel a transfer, so a read given up at the
-deadline may still land later, and SGLang hands the pages of a missed read to other
-entries at once. Only the process that does SGLang's store I/O (TP rank 0) connects.
+Data path: a new entry is written with `MooncakeCache.add_from`, in a Mooncake put session
+that one client at a time can open for a key, so of encoders racing to put one image exactly
+one writes it (the others keep its entry: ``True``, counted as skipped). In trusted-network
+mode (``MMKEY_TRUSTED_NETWORK=1``) the pools SGLang registers are registered with Mooncake
+and the session sends a header sealed over the pages, then the pages themselves; otherwise
+each entry is assembled in the cache's staging buffer first. A hash the store holds already
+is read back and, when it verifies, kept instead of rewritten; one that does not verify is
+replaced (`MooncakeCache.insert_from`). A get lands entries in the cache's own staging
+buffers and copies each into its pages only after it verified (`MooncakeCache.read_into`):
+Mooncake cannot cancel a transfer, so a read given up at the deadline may still land later,
+and SGLang hands the pages of a missed read to other entries at once. Only the process that
+does SGLang's store I/O (TP rank 0) connects.
 
 The plugin (`register_plugin`, entry point ``mmkey`` in group ``sglang.srt.plugins``) does
 nothing unless ``MMKEY_SGLANG_BACKEND`` is set to anything but ``0``: then the backend name

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import attrs
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 
-from mmkey.cache.mooncake import MooncakeCache
-from mmkey.cache.mooncake._writes import Added
+from mmkey.cache.mooncake import Added, MooncakeCache
 from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
 from mmkey.digest import HashScheme, MMHash, Modality
