@@ -84,28 +84,35 @@ if [ ! -x "$python" ] && ! command -v "$python" >/dev/null 2>&1; then
 fi
 
 # sgl_kernel: the real one where it imports on this python (in a fresh interpreter), else the
-# stand-in, first on the path of everything below, with the reason every call of it raises
-sgl_kernel=$(timeout 300 "$python" scripts/sgl_kernel_standin.py --probe 2>"$out/sgl_kernel.log" | tail -n 1)
-case "$sgl_kernel" in
-    "real "*)
-        sgl_kernel_note="sgl_kernel: real, sglang-kernel ${sgl_kernel#real }" ;;
-    *)
-        reason=${sgl_kernel#stand-in }
-        [ -n "$reason" ] || reason="the probe failed: $(tail -n 1 "$out/sgl_kernel.log")"
-        if [ "${GPU_CHECK_STANDIN:-1}" = 0 ]; then
-            sgl_kernel_note="sgl_kernel: NONE, stand-in switched off ($reason)"
-        elif "$python" scripts/sgl_kernel_standin.py "$out/standin" --reason "$reason" >/dev/null; then
-            export PYTHONPATH="$out/standin${PYTHONPATH:+:$PYTHONPATH}"
-            # SGLang's start refuses without the sglang-kernel distribution it pins
-            export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
-            sgl_kernel_note="sgl_kernel: STAND-IN, imports only, none of its kernels ran: $reason"
-        else
-            echo "gpu-check: FAIL (could not write the sgl_kernel stand-in)"
-            exit 1
-        fi ;;
-esac
+# stand-in, first on the path of everything after, with the reason every call of it raises;
+# MMKEY_GPU_CHECK_SGL_KERNEL tells sglang_gpu_e2e.py which, so that it need not probe again
+choose_sgl_kernel() {
+    local probed reason
+    probed=$(timeout 300 "$python" scripts/sgl_kernel_standin.py --probe 2>"$out/sgl_kernel.log" | tail -n 1)
+    case "$probed" in
+        "real "*)
+            export MMKEY_GPU_CHECK_SGL_KERNEL="$probed"
+            sgl_kernel_note="sgl_kernel: real, sglang-kernel ${probed#real }" ;;
+        *)
+            reason=${probed#stand-in }
+            [ -n "$reason" ] || reason="the probe failed: $(tail -n 1 "$out/sgl_kernel.log")"
+            if [ "${GPU_CHECK_STANDIN:-1}" = 0 ]; then
+                export MMKEY_GPU_CHECK_SGL_KERNEL=absent
+                sgl_kernel_note="sgl_kernel: NONE, stand-in switched off ($reason)"
+            elif "$python" scripts/sgl_kernel_standin.py "$out/standin" --reason "$reason" >/dev/null; then
+                export PYTHONPATH="$out/standin${PYTHONPATH:+:$PYTHONPATH}"
+                # SGLang's start refuses without the sglang-kernel distribution it pins
+                export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 MMKEY_GPU_CHECK_SGL_KERNEL=stand-in
+                sgl_kernel_note="sgl_kernel: STAND-IN, imports only, none of its kernels ran: $reason"
+            else
+                echo "gpu-check: FAIL (could not write the sgl_kernel stand-in)"
+                exit 1
+            fi ;;
+    esac
+}
 
 if [ "$setup_only" -eq 1 ]; then
+    choose_sgl_kernel
     # what the GPU run needs, short of the GPU: the packages import, SGLang finds mmkey's
     # plugin, and a local master starts
     "$python" - <<'PY'
@@ -149,6 +156,7 @@ if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     echo "gpu-check: SKIP (torch in $python sees no CUDA device)"
     exit 0
 fi
+choose_sgl_kernel
 
 # every test file with a CUDA-marked test (they skip themselves where a stack is missing)
 mapfile -t files < <(grep -rl --include='test_*.py' -E 'pytest\.mark\.gpu|mark\.gpu' tests | sort)

@@ -129,8 +129,12 @@ KERNEL_FREE_ARGS = ("--mm-attention-backend", "sdpa")
 
 
 def sgl_kernel_kind() -> str:
-    """``real VERSION``, ``stand-in`` (scripts/sgl_kernel_standin.py) or ``absent``; imported in
-    a child, so that a real kernel's ops library is not loaded into this process."""
+    """``real VERSION``, ``stand-in`` (scripts/sgl_kernel_standin.py) or ``absent``: as
+    scripts/gpu-check.sh found it, else imported in a child, so that a real kernel's ops
+    library is not loaded into this process."""
+    known = os.environ.get("MMKEY_GPU_CHECK_SGL_KERNEL")
+    if known:
+        return known
     code = (
         "import importlib.metadata as m, sgl_kernel\n"
         "if hasattr(sgl_kernel, '__sgl_kernel_standin__'): print('stand-in')\n"
@@ -229,7 +233,7 @@ def main() -> int:
             MOONCAKE_LOCAL_HOSTNAME="127.0.0.1", HF_HUB_OFFLINE="1", MC_LOG_LEVEL="ERROR",
         )  # fmt: skip
         if stand_in:  # SGLang's start checks the sglang-kernel distribution, which is absent
-            env["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] = "1"
+            env.setdefault("SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "1")
         context = zmq.Context()
         receiver = context.socket(zmq.PULL)
         receiver_port = receiver.bind_to_random_port("tcp://127.0.0.1")

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
-from importlib.abc import MetaPathFinder
-from importlib.machinery import ModuleSpec
-from types import ModuleType
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # an interpreter's start imports no typing machinery for this module
+    from collections.abc import Mapping, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
 
 __all__ = ["SGLANG_BACKEND_MODULE", "UnguardedBackend", "install", "opted_in", "refusal"]
 
@@ -68,8 +70,9 @@ def refusal(environ: Mapping[str, str] | None = None) -> str:
     )
 
 
-class _Guard(MetaPathFinder):
-    """Refuses to find `SGLANG_BACKEND_MODULE` until mmkey's plugin has registered."""
+class _Guard:
+    """Refuses to find `SGLANG_BACKEND_MODULE` until mmkey's plugin has registered (a meta
+    path finder needs only `find_spec`; no ``importlib.abc`` base, which costs milliseconds)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None

@@ -4,6 +4,7 @@ never hangs."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -148,6 +149,87 @@ class _Sessions:
 def test_a_session_whose_bytes_did_not_all_land_is_revoked_never_ended() -> None:
     store = _Sessions(sent=[30, 7])  # the second wrote 7 of its 8 bytes: stale bytes would follow
     scripted = cast("MooncakeDistributedStore", store)  # the real store makes no partial write on call
-    ended = _fill_sessions(scripted, ["a", "b"], [[1, 2], [3]], [[10, 20], [8]], [30, 8])
+    stuck: set[str] = set()
+    ended = _fill_sessions(scripted, ["a", "b"], [[1, 2], [3]], [[10, 20], [8]], [30, 8], stuck)
     assert ended == {"a"}
-    assert (store.ended, store.revoked) == (["a"], ["b"])
+    assert (store.ended, store.revoked, stuck) == (["a"], ["b"], set())
+
+
+class Payload:
+    """Bytes in memory registered with one raw client, as a lane's staging is."""
+
+    def __init__(self, client: MooncakeDistributedStore, data: bytes) -> None:
+        self.client, self.size = client, len(data)
+        self._view = (ctypes.c_char * len(data)).from_buffer(bytearray(data))
+        self.ptr = ctypes.addressof(self._view)
+        assert client.register_buffer(self.ptr, self.size) == 0
+
+    def close(self) -> None:
+        assert self.client.unregister_buffer(self.ptr) == 0
+
+
+class UpsertMidSession:
+    """A raw client whose ranged put first lets another client upsert the key: Mooncake then
+    refuses both the session's end and its revoke (-601), and keeps the session open."""
+
+    def __init__(self, client: MooncakeDistributedStore, other: MooncakeDistributedStore) -> None:
+        self._client, self._other = client, other
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def batch_put_from_multi_buffer_ranges(self, keys: list[str], *rest: Any) -> list[int]:
+        for text in keys:
+            assert self._other.upsert(text, b"upserted by another encoder") == 0
+        return self._client.batch_put_from_multi_buffer_ranges(keys, *rest)
+
+
+# These drive the cache's worker-side add (`_add_on_worker`) on raw clients of a real master,
+# to hold one interleaving of two writers exactly; the racing tests above cover the rest.
+
+
+def test_a_key_this_client_is_adding_on_another_lane_is_held_not_failed(
+    mooncake_master_session: MasterProcess, caches: list[MooncakeCache]
+) -> None:
+    caches.append(cache := MooncakeCache(config(mooncake_master_session)))
+    writer = cache._writer
+    text = key(10).to_key()
+    with raw_client(config(mooncake_master_session)) as client:
+        payload = Payload(client, b"entry bytes" * 10)
+        try:
+            assert client.batch_put_session_start([text], [payload.size]) == [0]  # the other lane
+            outcome = writer._add_on_worker(client, [text], [[payload.ptr]], [[payload.size]])
+            assert outcome == {text: Added.HELD}
+            assert client.batch_put_session_revoke([text]) == [0]
+        finally:
+            payload.close()
+
+
+def test_a_session_left_open_by_an_upsert_is_revoked_and_the_key_added_once_it_is_gone(
+    mooncake_master_session: MasterProcess, caches: list[MooncakeCache]
+) -> None:
+    caches.append(cache := MooncakeCache(config(mooncake_master_session)))
+    writer = cache._writer
+    text = key(11).to_key()
+    data = b"the encoder's entry" * 8
+    with (
+        raw_client(config(mooncake_master_session)) as client,
+        raw_client(config(mooncake_master_session)) as other,
+    ):
+        payload = Payload(client, data)
+        try:
+
+            def add(store: MooncakeDistributedStore) -> dict[str, Added]:
+                return writer._add_on_worker(store, [text], [[payload.ptr]], [[payload.size]])
+
+            racing = cast("MooncakeDistributedStore", UpsertMidSession(client, other))
+            assert add(racing) == {text: Added.FAILED}  # the upsert won; the session stays open
+            assert text in writer._stuck
+            assert add(client) == {text: Added.FAILED}  # its revoke is still refused
+            assert other.get(text) == b"upserted by another encoder"
+            assert other.remove(text, force=True) == 0
+            assert add(client) == {text: Added.STORED}  # revoked at last, then added
+            assert writer._stuck == set()
+            assert other.get(text) == data
+        finally:
+            payload.close()

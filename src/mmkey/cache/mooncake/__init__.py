@@ -24,8 +24,8 @@ from mmkey._lazy import lazy_exports
 from mmkey.cache.mooncake.config import MooncakeConfig
 
 if TYPE_CHECKING:
+    from mmkey.cache.mooncake._added import Added
     from mmkey.cache.mooncake._cache import MooncakeCache
-    from mmkey.cache.mooncake._writes import Added
 
 __all__ = ["Added", "MooncakeCache", "MooncakeConfig"]
 
@@ -34,5 +34,5 @@ if not TYPE_CHECKING:
     # hidden from type checkers, so a misspelt name stays a type error; the client (its
     # transport threads and exit hook) loads when first named
     __getattr__, __dir__ = lazy_exports(
-        __name__, globals(), {"MooncakeCache": "_cache", "Added": "_writes"}, __all__
+        __name__, globals(), {"MooncakeCache": "_cache", "Added": "_added"}, __all__
     )

@@ -25,10 +25,11 @@ from mmkey._log import Counters
 from mmkey._tensors import nbytes_of
 from mmkey.cache._guard import insert_args, key_texts
 from mmkey.cache.health import CacheHealth
+from mmkey.cache.mooncake._added import Added
 from mmkey.cache.mooncake._parts import LOG, CacheParts
 from mmkey.cache.mooncake._reads import Reader
 from mmkey.cache.mooncake._transport import RPC_FAILURES, StoreTransport
-from mmkey.cache.mooncake._writes import Added, Writer
+from mmkey.cache.mooncake._writes import Writer
 from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
 from mmkey.entry.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
@@ -324,11 +325,13 @@ class MooncakeCache:
 
         `Added.STORED`: this call wrote the entry. `Added.HELD`: nothing written, as the
         store holds the key (whether its entry verifies or not: replace one with
-        `insert_from`) or another client is writing it. `Added.FAILED`: nothing written (a
-        fault, a full store, the timeout). Payloads are as `insert_from` takes them, sent
-        straight from memory given to `register_memory` or through staging the same way;
-        both go through Mooncake's put sessions, which grant a key to its first writer. A
-        key given twice in one batch is added with its last payload.
+        `insert_from`) or a client is writing it. `Added.FAILED`: not written as far as this
+        call knows (a fault, a full store, the timeout; a write handed to the store before the
+        timeout may still complete after it, and is not counted in ``inserts``). Payloads
+        are as `insert_from` takes them, sent straight from memory given to
+        `register_memory` or through staging the same way; both go through Mooncake's put
+        sessions, which grant a key to its first writer. A key given twice in one batch is
+        added with its last payload.
         """
         self._check_open()
         texts = key_texts(keys, "add_from")

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
     from mooncake.store import MooncakeDistributedStore
 
 __all__ = [
+    "ALREADY_EXISTS",
     "BUFFER_TOO_SMALL",
+    "INVALID_PARAMS",
     "RPC_FAILURES",
     "TRANSFER_FAILURES",
     "Lane",
@@ -68,6 +70,12 @@ RPC_FAILURES = frozenset({-900, -901})
 """Codes that mean the master did not answer (RPC_FAIL, RPC_TIMEOUT)."""
 BUFFER_TOO_SMALL = -600
 """The code of a read whose entry is larger than the buffer it was given."""
+INVALID_PARAMS = -600
+"""Mooncake's INVALID_PARAMS: also a put session's start for a key this client has a session
+open on (measured, mooncake 0.3.13)."""
+ALREADY_EXISTS = -705
+"""Mooncake's OBJECT_ALREADY_EXISTS: a put session's start for a key that the store holds or
+that another client has a session open on (measured, mooncake 0.3.13)."""
 TRANSFER_FAILURES = range(-899, -799)
 """Codes of a transfer that reached the master but not the holder (TRANSFER_FAIL, -800...)."""
 

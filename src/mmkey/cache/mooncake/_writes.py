@@ -13,7 +13,6 @@ nothing. Every write asks the store for ``config.replica_num`` copies.
 
 from __future__ import annotations
 
-import enum
 import functools
 import threading
 import time
@@ -22,9 +21,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from mmkey._tensors import byte_view, host_ready, nbytes_of
+from mmkey.cache.mooncake._added import Added
 from mmkey.cache.mooncake._parts import CacheParts
 from mmkey.cache.mooncake._staging import Staging, aligned, registered, stage_entry
-from mmkey.cache.mooncake._transport import RPC_FAILURES, Pending, out_of_time
+from mmkey.cache.mooncake._transport import ALREADY_EXISTS, INVALID_PARAMS, RPC_FAILURES, Pending, out_of_time
 from mmkey.entry.codec import encode_entry_into, entry_header, entry_size
 from mmkey.errors import StoreError
 
@@ -32,24 +32,10 @@ if TYPE_CHECKING:
     import torch
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-__all__ = ["Added", "Writer"]
+__all__ = ["Writer"]
 
 _PUT_CHUNK = 64 << 20
 """Payload bytes sealed and sent per multi-buffer put."""
-_ALREADY_EXISTS = -705
-"""Mooncake's OBJECT_ALREADY_EXISTS: a put session's start for a key that the store holds or
-that another client is writing (measured, mooncake 0.3.13)."""
-
-
-class Added(enum.Enum):
-    """What a put-if-absent (`MooncakeCache.add_from`) did with one key."""
-
-    STORED = "stored"
-    """This call wrote the entry: it was the key's first writer."""
-    HELD = "held"
-    """Nothing written: the store holds the key, or another client is writing it."""
-    FAILED = "failed"
-    """Nothing written: a fault, a full store, or the call's deadline."""
 
 
 def _as_added(stored: dict[str, bool]) -> dict[str, Added]:
@@ -92,6 +78,11 @@ class Writer:
     def __init__(self, parts: CacheParts) -> None:
         self._parts = parts
         self._replicas: ReplicateConfig | None = None  # made on first write
+        self._stuck: set[str] = set()
+        """Keys of sessions this client could neither end nor revoke (Mooncake answers -601
+        to both once another client upserted the key): its starts of them answer -600 until
+        a revoke succeeds."""
+        self._stuck_lock = threading.Lock()
 
     def write(
         self, texts: list[str], tensors: list[torch.Tensor], give_up: float, *, only_new: bool = False
@@ -330,23 +321,58 @@ class Writer:
         (after the revokes) if the master did not answer."""
         totals = [sum(run) for run in sizes]
         starts = self._with_replicas(store.batch_put_session_start, keys, totals)
+        starts = self._restart_stuck(store, keys, totals, starts)
         outcome = {
-            key: Added.HELD if code == _ALREADY_EXISTS else Added.FAILED
+            key: _refused(code, key in self._stuck)
             for key, code in zip(keys, starts, strict=False)  # keys left unanswered: not written
             if code != 0
         }
         opened = [i for i, code in enumerate(starts[: len(keys)]) if code == 0]
-        ended = _fill_sessions(
-            store,
-            [keys[i] for i in opened],
-            [ptrs[i] for i in opened],
-            [sizes[i] for i in opened],
-            [totals[i] for i in opened],
-        )
+        stuck: set[str] = set()
+        try:
+            ended = _fill_sessions(
+                store,
+                [keys[i] for i in opened],
+                [ptrs[i] for i in opened],
+                [sizes[i] for i in opened],
+                [totals[i] for i in opened],
+                stuck,
+            )
+        finally:
+            if stuck:
+                with self._stuck_lock:
+                    self._stuck.update(stuck)
         outcome.update({keys[i]: Added.STORED if keys[i] in ended else Added.FAILED for i in opened})
         if not RPC_FAILURES.isdisjoint(starts):
             raise StoreError(f"batch_put_session_start: master unreachable ({starts[0]})")
         return outcome
+
+    def _restart_stuck(
+        self, store: MooncakeDistributedStore, keys: list[str], totals: list[int], starts: list[int]
+    ) -> list[int]:
+        """`starts`, where a start refused for a session this client left stuck is tried
+        again once that session's revoke succeeds (the upserted key was removed since)."""
+        with self._stuck_lock:
+            stuck = [
+                i
+                for i, code in enumerate(starts[: len(keys)])
+                if code == INVALID_PARAMS and keys[i] in self._stuck
+            ]
+        if not stuck:
+            return starts
+        revoked = store.batch_put_session_revoke([keys[i] for i in stuck])
+        freed = [i for i, code in zip(stuck, revoked, strict=False) if code == 0]
+        with self._stuck_lock:
+            self._stuck.difference_update(keys[i] for i in freed)
+        if not freed:
+            return starts
+        again = self._with_replicas(
+            store.batch_put_session_start, [keys[i] for i in freed], [totals[i] for i in freed]
+        )
+        starts = list(starts)
+        for i, code in zip(freed, again, strict=False):
+            starts[i] = code
+        return starts
 
     def _replicate(self) -> ReplicateConfig:
         """Mooncake's per-write placement settings: `config.replica_num` copies."""
@@ -413,15 +439,25 @@ def _joined(runs_of: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
     return [runs[0] if len(runs) == 1 else torch.cat(runs) for runs in runs_of.values()]
 
 
+def _refused(code: int, stuck: bool) -> Added:
+    """What a refused session start means: `Added.HELD` where a client (this one too, on
+    another lane) holds or writes the key, else `Added.FAILED`."""
+    if code == ALREADY_EXISTS or (code == INVALID_PARAMS and not stuck):
+        return Added.HELD
+    return Added.FAILED
+
+
 def _fill_sessions(
     store: MooncakeDistributedStore,
     keys: list[str],
     ptrs: list[list[int]],
     sizes: list[list[int]],
     totals: list[int],
+    stuck: set[str],
 ) -> set[str]:
     """Send each opened session's buffers and end it; the keys made readable. Every other
-    session is revoked, whatever happens, so that no reservation outlives this call."""
+    session is revoked, whatever happens, so that no reservation outlives this call; the
+    keys whose revoke was refused too are added to `stuck`."""
     ended: set[str] = set()
     try:
         if not keys:
@@ -438,4 +474,9 @@ def _fill_sessions(
     finally:
         unfinished = [key for key in keys if key not in ended]
         if unfinished:
-            store.batch_put_session_revoke(unfinished)
+            revoked: list[int] = []
+            try:
+                revoked = store.batch_put_session_revoke(unfinished)
+            finally:
+                answered = dict(zip(unfinished, revoked, strict=False))
+                stuck.update(key for key in unfinished if answered.get(key, -1) != 0)

@@ -24,8 +24,8 @@ one writes it (the others keep its entry: ``True``, counted as skipped). In trus
 mode (``MMKEY_TRUSTED_NETWORK=1``) the pools SGLang registers are registered with Mooncake
 and the session sends a header sealed over the pages, then the pages themselves; otherwise
 each entry is assembled in the cache's staging buffer first. A hash the store holds already
-is read back and, when it verifies, kept instead of rewritten; one that does not verify is
-replaced (`MooncakeCache.insert_from`). A get lands entries in the cache's own staging
+is read back and, when it verifies, kept instead of rewritten; one that does not verify or
+cannot be read back is replaced (`MooncakeCache.insert_from`). A get lands entries in the cache's own staging
 buffers and copies each into its pages only after it verified (`MooncakeCache.read_into`):
 Mooncake cannot cancel a transfer, so a read given up at the deadline may still land later,
 and SGLang hands the pages of a missed read to other entries at once. Only the process that

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from _mmkey_sglang_guard import opted_in  # the guard of mmkey-sglang-guard.pth reads the switch the same way
 from mmkey.cache.mooncake.config import MooncakeConfig, parse_replica_num, parse_size, read_json_config
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.errors import InvalidKey
@@ -71,15 +71,6 @@ TESTED_SGLANG = ((0, 5, 23), (0, 5, 24))
 
 _ON = frozenset({"1", "true", "yes", "on", "mmkey"})
 _HASHES = {"": HashScheme.SGLANG, "sglang": HashScheme.SGLANG, "blake3": HashScheme.BLAKE3}
-_VERSION = re.compile(
-    r"v?(?P<release>\d+(?:\.\d+)*)"
-    r"(?P<pre>[-_.]?(?:a|b|c|rc|alpha|beta|pre|preview)[-_.]?\d*)?"
-    r"(?P<post>-\d+|[-_.]?(?:post|rev|r)[-_.]?\d*)?"
-    r"(?P<dev>[-_.]?dev[-_.]?\d*)?"
-    r"(?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?",
-    re.ASCII | re.IGNORECASE,
-)
-"""A PEP 440 version, as pip reads the extra's bound."""
 # SGLang 0.5.23's defaults (sglang.srt.environ) for its Mooncake backend
 _SGLANG_DEFAULTS: dict[str, Any] = {
     "local_hostname": "localhost",
@@ -102,12 +93,6 @@ _FILE_FIELDS = frozenset({*_ENV_FIELDS.values(), "local_hostname", "local_buffer
 
 class SGLangConfigError(ValueError):
     """The SGLang integration is switched on but cannot run as configured; says the fix."""
-
-
-def opted_in(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``MMKEY_SGLANG_BACKEND`` opts in: set, non-empty and not ``0``."""
-    env = os.environ if environ is None else environ
-    return env.get(BACKEND_ENV, "") not in ("", "0")
 
 
 def switch_problem(environ: Mapping[str, str] | None = None) -> SGLangConfigError | None:
@@ -168,23 +153,17 @@ def check_sglang_version(version: str) -> None:
 
 
 def _in_tested_range(version: str) -> bool:
-    """Whether PEP 440 puts `version` from the first of `TESTED_SGLANG` to below the second."""
-    match = _VERSION.fullmatch(version.strip())
-    if match is None:
+    """Whether pip takes `version` for the extra's bound ``>=low,<high`` of `TESTED_SGLANG`
+    (PEP 440; an installed pre-release inside the range counts, as pip counts it)."""
+    from packaging.specifiers import SpecifierSet  # SGLang's own dependency
+    from packaging.version import InvalidVersion, Version
+
+    low, high = TESTED_SGLANG
+    try:
+        parsed = Version(version.strip())
+    except InvalidVersion:
         return False
-    release = _release(match["release"])
-    low, high = (_release(_dotted(bound)) for bound in TESTED_SGLANG)
-    # a pre-release or a development release of `low` (not of a post-release) comes before it
-    before_low = release == low and bool(match["pre"] or (match["dev"] and not match["post"]))
-    return low <= release < high and not before_low
-
-
-def _release(text: str) -> tuple[int, ...]:
-    """A release's numbers without trailing zeros (PEP 440: ``0.5.23.0`` is ``0.5.23``)."""
-    parts = [int(part) for part in text.split(".")]
-    while len(parts) > 1 and parts[-1] == 0:
-        parts.pop()
-    return tuple(parts)
+    return SpecifierSet(f">={_dotted(low)},<{_dotted(high)}").contains(parsed, prereleases=True)
 
 
 def _dotted(version: tuple[int, ...]) -> str:

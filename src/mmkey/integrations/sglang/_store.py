@@ -332,9 +332,9 @@ class MMKeyEmbeddingStore(EmbeddingStore):
     def _put(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
         """Store each new entry; an entry the store holds already and that verifies (another
         encoder of the fleet stored the same image first) is kept, not rewritten, and one
-        that does not verify is replaced. A new entry is added only if no encoder holds or
-        is writing it: of encoders racing to put one image, one writes; the others keep
-        its entry (``True``, counted as skipped)."""
+        that does not verify, does not fit or cannot be read back is replaced. A new entry
+        is added only if no encoder holds or is writing it: of encoders racing to put one
+        image, one writes; the others keep its entry (``True``, counted as skipped)."""
         cache = self._cache
         assert cache is not None
         result = [False] * len(hashes)
