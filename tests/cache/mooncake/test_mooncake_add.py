@@ -4,6 +4,7 @@ never hangs."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.cache.mooncake import Added, MooncakeConfig
-from mmkey.cache.mooncake._writes import _fill_sessions
+from mmkey.cache.mooncake._writes import Writer, _fill_sessions
 from mmkey.testing.mooncake_master import MasterProcess
 from tests._support import ROOMY_TIMEOUT, MiB, local_config, raw_client, timed
 
@@ -155,17 +156,16 @@ def test_a_session_whose_bytes_did_not_all_land_is_revoked_never_ended() -> None
     assert (store.ended, store.revoked, stuck) == (["a"], ["b"], set())
 
 
-class Payload:
-    """Bytes in memory registered with one raw client, as a lane's staging is."""
-
-    def __init__(self, client: MooncakeDistributedStore, data: bytes) -> None:
-        self.client, self.size = client, len(data)
-        self._view = (ctypes.c_char * len(data)).from_buffer(bytearray(data))
-        self.ptr = ctypes.addressof(self._view)
-        assert client.register_buffer(self.ptr, self.size) == 0
-
-    def close(self) -> None:
-        assert self.client.unregister_buffer(self.ptr) == 0
+@contextlib.contextmanager
+def registered_bytes(client: MooncakeDistributedStore, data: bytes) -> Iterator[tuple[int, int]]:
+    """``(pointer, size)`` of `data` in memory registered with `client`, as a lane's staging is."""
+    view = (ctypes.c_char * len(data)).from_buffer(bytearray(data))
+    ptr = ctypes.addressof(view)
+    assert client.register_buffer(ptr, len(data)) == 0
+    try:
+        yield ptr, len(data)
+    finally:
+        assert client.unregister_buffer(ptr) == 0
 
 
 class UpsertMidSession:
@@ -188,48 +188,61 @@ class UpsertMidSession:
 # to hold one interleaving of two writers exactly; the racing tests above cover the rest.
 
 
-def test_a_key_this_client_is_adding_on_another_lane_is_held_not_failed(
-    mooncake_master_session: MasterProcess, caches: list[MooncakeCache]
-) -> None:
+@pytest.fixture
+def writer(mooncake_master_session: MasterProcess, caches: list[MooncakeCache]) -> Writer:
+    """The worker side of a cache of the session's master."""
     caches.append(cache := MooncakeCache(config(mooncake_master_session)))
-    writer = cache._writer
+    return cache._writer
+
+
+def test_a_key_this_client_is_adding_on_another_lane_is_held_not_failed(
+    mooncake_master_session: MasterProcess, writer: Writer
+) -> None:
     text = key(10).to_key()
-    with raw_client(config(mooncake_master_session)) as client:
-        payload = Payload(client, b"entry bytes" * 10)
-        try:
-            assert client.batch_put_session_start([text], [payload.size]) == [0]  # the other lane
-            outcome = writer._add_on_worker(client, [text], [[payload.ptr]], [[payload.size]])
-            assert outcome == {text: Added.HELD}
-            assert client.batch_put_session_revoke([text]) == [0]
-        finally:
-            payload.close()
+    with (
+        raw_client(config(mooncake_master_session)) as client,
+        registered_bytes(client, b"entry" * 20) as (ptr, n),
+    ):
+        assert client.batch_put_session_start([text], [n]) == [0]  # the other lane's session
+        assert writer._add_on_worker(client, [text], [[ptr]], [[n]]) == {text: Added.HELD}
+        assert client.batch_put_session_revoke([text]) == [0]
 
 
 def test_a_session_left_open_by_an_upsert_is_revoked_and_the_key_added_once_it_is_gone(
-    mooncake_master_session: MasterProcess, caches: list[MooncakeCache]
+    mooncake_master_session: MasterProcess, writer: Writer
 ) -> None:
-    caches.append(cache := MooncakeCache(config(mooncake_master_session)))
-    writer = cache._writer
     text = key(11).to_key()
     data = b"the encoder's entry" * 8
     with (
         raw_client(config(mooncake_master_session)) as client,
         raw_client(config(mooncake_master_session)) as other,
+        registered_bytes(client, data) as (ptr, n),
     ):
-        payload = Payload(client, data)
-        try:
 
-            def add(store: MooncakeDistributedStore) -> dict[str, Added]:
-                return writer._add_on_worker(store, [text], [[payload.ptr]], [[payload.size]])
+        def add(store: MooncakeDistributedStore) -> dict[str, Added]:
+            return writer._add_on_worker(store, [text], [[ptr]], [[n]])
 
-            racing = cast("MooncakeDistributedStore", UpsertMidSession(client, other))
-            assert add(racing) == {text: Added.FAILED}  # the upsert won; the session stays open
-            assert text in writer._stuck
-            assert add(client) == {text: Added.FAILED}  # its revoke is still refused
-            assert other.get(text) == b"upserted by another encoder"
-            assert other.remove(text, force=True) == 0
-            assert add(client) == {text: Added.STORED}  # revoked at last, then added
-            assert writer._stuck == set()
-            assert other.get(text) == data
-        finally:
-            payload.close()
+        racing = cast("MooncakeDistributedStore", UpsertMidSession(client, other))
+        assert add(racing) == {text: Added.FAILED}  # the upsert won; the session stays open
+        assert text in writer._stuck
+        assert add(client) == {text: Added.FAILED}  # its revoke is still refused
+        assert other.get(text) == b"upserted by another encoder"
+        assert other.remove(text, force=True) == 0
+        assert add(client) == {text: Added.STORED}  # revoked at last, then added
+        assert writer._stuck == set()
+        assert other.get(text) == data
+
+
+def test_a_key_remembered_as_stuck_is_forgotten_once_a_start_is_granted(
+    mooncake_master_session: MasterProcess, writer: Writer
+) -> None:
+    # a revoke refused for a fault (not an upsert) leaves no session open: the next start is
+    # granted, and the key must not stay in the writer's memory
+    text = key(12).to_key()
+    writer._stuck.add(text)
+    with (
+        raw_client(config(mooncake_master_session)) as client,
+        registered_bytes(client, b"entry" * 20) as (ptr, n),
+    ):
+        assert writer._add_on_worker(client, [text], [[ptr]], [[n]]) == {text: Added.STORED}
+    assert writer._stuck == set()

@@ -322,6 +322,7 @@ class Writer:
         totals = [sum(run) for run in sizes]
         starts = self._with_replicas(store.batch_put_session_start, keys, totals)
         starts = self._restart_stuck(store, keys, totals, starts)
+        self._forget_stuck([key for key, code in zip(keys, starts, strict=False) if code == 0])
         outcome = {
             key: _refused(code, key in self._stuck)
             for key, code in zip(keys, starts, strict=False)  # keys left unanswered: not written
@@ -346,6 +347,13 @@ class Writer:
         if not RPC_FAILURES.isdisjoint(starts):
             raise StoreError(f"batch_put_session_start: master unreachable ({starts[0]})")
         return outcome
+
+    def _forget_stuck(self, granted: list[str]) -> None:
+        """Drop keys whose session start was granted: no session of this client holds them
+        (a revoke that failed for a fault, not an upsert, leaves nothing open)."""
+        if granted and self._stuck:
+            with self._stuck_lock:
+                self._stuck.difference_update(granted)
 
     def _restart_stuck(
         self, store: MooncakeDistributedStore, keys: list[str], totals: list[int], starts: list[int]
