@@ -25,7 +25,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine test-vllm-engine-connector test-vllm-engine-runs stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang test-sglang-stubtest test-sglang-pytest bench bench-vllm bench-sglang clean
+.PHONY: demo test test-sglang-engine test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine test-vllm-engine-connector test-vllm-engine-runs stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang test-sglang-stubtest test-sglang-pytest bench bench-vllm bench-sglang clean
 
 # Every environment is installed by uv (pinned; about ten times faster than pip at unpacking
 # torch). uv looks only where it is told: the local wheel folders that hold torch's CPU build
@@ -193,7 +193,7 @@ test-foreground: $(VENV)/.dev
 
 test-background: $(VENV)/.dev
 	nice -n $(CHAIN_NICE) $(MAKE) --no-print-directory -O FILLER="nice -n 9" \
-	    test-vllm-engine-runs test-sglang-pytest test-vllm-engine-connector test-sglang-stubtest static-checks \
+	    test-vllm-engine-runs test-sglang-engine test-sglang-pytest test-vllm-engine-connector test-sglang-stubtest static-checks \
 	    test-vllm-wheel
 
 static-checks: $(VENV)/.dev
@@ -213,7 +213,8 @@ SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test
     test_sglang_pools.py test_sglang_settings.py test_sglang_lookup.py test_sglang_allowlist.py)
 
 $(SGLANG_READY): scripts/sglang-env.sh scripts/new-venv.sh scripts/sglang-requirements.txt scripts/sglang-requirements-cpu.txt \
-    scripts/sglang-requirements-cuda.txt scripts/guard-torchvision.sh pyproject.toml | $(BIN)/uv
+    scripts/sglang-requirements-cuda.txt scripts/guard-torchvision.sh patches/sglang-0.5.23-cpu-global-cache.patch \
+    pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh
 	UV=$(UV) TORCH_FROM="$(TORCH_FROM)" SGLANG_PYTHON=$(SGLANG_PYTHON) SGLANG_TORCH=$(SGLANG_TORCH) \
 	    sh scripts/sglang-env.sh $(SGLANG_VENV)
@@ -222,7 +223,7 @@ $(SGLANG_READY): scripts/sglang-env.sh scripts/new-venv.sh scripts/sglang-requir
 # the three stack environments (defined above), built beside the other lanes
 stack-envs: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready $(SGLANG_READY)
 
-test-sglang: test-sglang-stubtest test-sglang-pytest
+test-sglang: test-sglang-stubtest test-sglang-pytest test-sglang-engine
 
 test-sglang-stubtest: $(SGLANG_READY)
 	PYTHON=$(SGLANG_VENV)/bin/python $(FILLER) bash stubs/run_sglang_stubtest.sh
@@ -230,6 +231,12 @@ test-sglang-stubtest: $(SGLANG_READY)
 test-sglang-pytest: $(SGLANG_READY)
 	MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
 	    $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider $(SGLANG_TESTS)
+
+# SGLang's real encode servers (four, on a tiny Qwen2-VL the script builds) serving through
+# mmkey's store on CPU, every scenario of scripts/sglang_e2e.py (about 90 s on two idle cores)
+test-sglang-engine: $(SGLANG_READY)
+	MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
+	    $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider tests/integrations/sglang/test_sglang_engine.py
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/bench_hash.py

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: every CUDA-marked test, then two SGLang encode
 # servers on a tiny random-weight VLM sharing an embedding through mmkey's store
-# (scripts/sglang_gpu_e2e.py: pinned pools, store_to_pool_async from CUDA, SGLang's GPU hash).
+# (scripts/sglang_e2e.py --device cuda, the script make test runs on CPU: every scenario, with
+# pinned pools, store_to_pool_async from CUDA and SGLang's GPU hash).
 # Runs in SGLang's test environment built with its CUDA torch
 # (SGLANG_TORCH=cuda sh scripts/sglang-env.sh), or, where there is none (or one with the CPU
 # torch), on the machine's own python3 and CUDA torch with what scripts/gpu-carry.sh packed
@@ -85,7 +86,7 @@ fi
 
 # sgl_kernel: the real one where it imports on this python (in a fresh interpreter), else the
 # stand-in, first on the path of everything after, with the reason every call of it raises;
-# MMKEY_GPU_CHECK_SGL_KERNEL tells sglang_gpu_e2e.py which, so that it need not probe again
+# MMKEY_GPU_CHECK_SGL_KERNEL tells sglang_e2e.py which, so that it need not probe again
 choose_sgl_kernel() {
     local probed reason
     probed=$(timeout 300 "$python" scripts/sgl_kernel_standin.py --probe 2>"$out/sgl_kernel.log" | tail -n 1)
@@ -136,6 +137,15 @@ print(f"gpu-check: SETUP OK (torch {torch.__version__}, CUDA {torch.cuda.is_avai
       f"SGLang {sglang.__version__}, mmkey's plugin found, a master started)")
 PY
     setup_rc=$?
+    # the end-to-end script's own set-up: the tiny model built, a master and a holder started
+    timeout "$step_timeout" "$python" scripts/sglang_e2e.py --setup-only >"$out/e2e-setup.log" 2>&1
+    e2e_setup_rc=$?
+    if [ "$e2e_setup_rc" -eq 0 ]; then
+        echo "gpu-check: E2E SETUP OK ($(tail -n 1 "$out/e2e-setup.log"))"
+    else
+        echo "gpu-check: E2E SETUP FAIL (exit $e2e_setup_rc), last lines:"
+        tail -n 20 "$out/e2e-setup.log"
+    fi
     # SGLang's CUDA import path, in a child with CUDA emulated where there is none: what the
     # CUDA-marked tests and the encode servers import
     timeout "$step_timeout" "$python" scripts/sglang_cuda_imports.py >"$out/cuda-imports.log" 2>&1
@@ -145,7 +155,7 @@ PY
         tail -n 20 "$out/cuda-imports.log"
     }
     echo "gpu-check: $sgl_kernel_note"
-    [ "$setup_rc" -eq 0 ] && [ "$imports_rc" -eq 0 ]
+    [ "$setup_rc" -eq 0 ] && [ "$e2e_setup_rc" -eq 0 ] && [ "$imports_rc" -eq 0 ]
     exit $?
 fi
 if [ "$cpu_torch" -eq 1 ]; then
@@ -165,7 +175,7 @@ MMKEY_REQUIRE_MOONCAKE=1 MMKEY_REQUIRE_SGLANG=1 MC_LOG_LEVEL=ERROR \
 tests_rc=$?
 tests_summary=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|(passed|failed|error)(,| in )' "$out/pytest.log" | tail -n 1)
 
-timeout "$step_timeout" "$python" scripts/sglang_gpu_e2e.py >"$out/e2e.log" 2>&1
+timeout "$step_timeout" "$python" scripts/sglang_e2e.py --device cuda >"$out/e2e.log" 2>&1
 e2e_rc=$?
 e2e_summary=$(tail -n 1 "$out/e2e.log")
 

@@ -13,8 +13,10 @@ Imported as ``sgl_kernel``, any attribute (``from sgl_kernel import silu_and_mul
 submodule (``sgl_kernel.flash_attn``) resolves, so SGLang's CUDA import path imports. Calling
 anything of it raises :class:`KernelUnavailable`, a ``RuntimeError`` naming the kernel and the
 reason: nothing is ever computed, so a code path that really needs a kernel fails loudly
-instead of passing. ``torch.ops.sgl_kernel`` holds no ops (nothing registers them) and fails at
-its own lookups.
+instead of passing. ``torch.ops.sgl_kernel`` answers the names of SGLang's CPU kernels
+(``<name>_cpu``, which SGLang's CPU engine looks up when a module is imported) with the same
+raising stand-ins, and fails at every other lookup as an empty namespace does (SGLang asks
+``hasattr`` of CUDA ops before registering their fakes, so those must stay absent).
 
 ``python scripts/sgl_kernel_standin.py --probe`` says which ``sgl_kernel`` a run gets: ``real``
 and its version when ``import sgl_kernel`` works in a fresh interpreter, else ``stand-in`` and
@@ -104,6 +106,30 @@ class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
+class StandInOps:
+    """``torch.ops.sgl_kernel``: a ``<name>_cpu`` op is a :class:`StandInKernel`, any other name
+    is looked up in torch's own (empty) namespace, and so is missing."""
+
+    def __init__(self, real: object, reason: str) -> None:
+        self._real = real
+        self._reason = reason
+
+    def __getattr__(self, attr: str) -> object:
+        if attr.endswith("_cpu") and not _is_dunder(attr):
+            return StandInKernel(f"torch.ops.{NAME}.{attr}", self._reason)
+        return getattr(self._real, attr)
+
+
+def _answer_cpu_ops(reason: str) -> None:
+    """Put :class:`StandInOps` at ``torch.ops.sgl_kernel``, where torch is imported (SGLang
+    imports it before ``sgl_kernel``)."""
+    torch = sys.modules.get("torch")
+    ops = getattr(torch, "ops", None)
+    if ops is None or isinstance(ops.__dict__.get(NAME), StandInOps):
+        return
+    setattr(ops, NAME, StandInOps(getattr(ops, NAME), reason))
+
+
 def _become_stand_in(module: types.ModuleType) -> None:
     """Put a bare stand-in in ``sys.modules`` in place of the module importing this file as
     ``sgl_kernel`` (the import system hands out what ``sys.modules`` holds once the file ran),
@@ -119,6 +145,7 @@ def _become_stand_in(module: types.ModuleType) -> None:
     sys.modules[NAME] = stand_in
     if not any(isinstance(finder, _SubmoduleFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _SubmoduleFinder(reason))
+    _answer_cpu_ops(reason)
 
 
 def write(directory: Path, reason: str) -> Path:

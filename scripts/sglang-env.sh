@@ -1,6 +1,7 @@
 #!/bin/sh
 # Build SGLang's test environment in $1 (default .venv-sglang): Python 3.11, uv, torch, then the
-# pinned packages of sglang-requirements.txt without dependency resolution, then mmkey. torch
+# pinned packages of sglang-requirements.txt without dependency resolution, SGLang's CPU patch
+# (patches/sglang-0.5.23-cpu-global-cache.patch), then mmkey. torch
 # is the CPU build (TORCH_PIN, from $TORCH_FROM's wheel folders or pip's configuration) with
 # sglang-requirements-cpu.txt; SGLANG_TORCH=cuda takes SGLang's own pin, the CUDA build, with
 # sglang-requirements-cuda.txt from this machine's wheel folders (for a GPU machine). No cache
@@ -50,4 +51,8 @@ fi
 if [ "$torch" = cpu ]; then
     sh scripts/guard-torchvision.sh "$venv"
 fi
+# SGLang's global embedding cache on a host without an accelerator (upstreamable; no GPU path
+# changes): pageable pools, a synchronous page-run copy for CPU tensors, no CUDA stream sync
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+patch -p1 --forward --quiet -d "$site" -i "$PWD/patches/sglang-0.5.23-cpu-global-cache.patch"
 "$uv" pip install -q --python "$venv/bin/python" --no-deps -e .

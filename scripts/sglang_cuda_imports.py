@@ -5,7 +5,7 @@ unconditionally, and FlashInfer, DeepGEMM, TVM-FFI, ``cuda`` and Triton are trie
 machine without a GPU, ``scripts/gpu-check.sh --setup-only`` runs this in a child process so
 that a module missing from that path shows up there, not only on a lent GPU machine: before
 SGLang is imported, torch is made to report one CUDA device (an H200, capability 9.0, CUDA
-13.0). Then it imports exactly what the CUDA-marked tests and ``scripts/sglang_gpu_e2e.py``'s
+13.0). Then it imports exactly what the CUDA-marked tests and ``scripts/sglang_e2e.py``'s
 encode servers import (:data:`MODULES`) and prints one line: the modules, which ``sgl_kernel``
 was found (real, or the stand-in of ``scripts/sgl_kernel_standin.py``), the accelerator
 packages that were tried and found, and those that were tried, not found and tolerated (SGLang
@@ -28,13 +28,13 @@ import traceback
 import types
 from collections.abc import Sequence
 
-#: what the CUDA-marked tests and the encode servers of sglang_gpu_e2e.py import
+#: what the CUDA-marked tests and the encode servers of sglang_e2e.py import
 MODULES = (
     "sglang.srt.managers.mm_utils",  # test_sglang_gpu.py: SGLang's GPU feature hash
     "sglang.srt.multimodal.modality",
     "sglang.srt.mem_cache.embedding_cache_controller",  # the pools mmkey's store serves
     "sglang.srt.mem_cache.embedding_store",
-    "sglang.launch_server",  # what sglang_gpu_e2e.py runs, --encoder-only:
+    "sglang.launch_server",  # what sglang_e2e.py runs, --encoder-only:
     "sglang.srt.disaggregation.encoder.http_server",
     "sglang.srt.disaggregation.encoder.server",
     "sglang.srt.model_loader",

@@ -142,7 +142,7 @@ case "$1" in
             *is_available*) exit 0 ;;        # a CUDA device
         esac ;;
     -m) echo "2 passed in 0.50s"; exit 0 ;;
-    scripts/sglang_gpu_e2e.py)
+    scripts/sglang_e2e.py)
         stand_in=$(REAL -c 'import sgl_kernel; print(hasattr(sgl_kernel, "__sgl_kernel_standin__"))' \\
             2>&1 | tail -n 1)
         printf '{"ok": true, "stand_in": "%s", "skip": "%s"}\\n' "$stand_in" \\

@@ -118,3 +118,60 @@ def test_huge_text_is_an_identifier_without_int_conversion() -> None:
 def test_non_text_is_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"str\(h\)"):
         sglang_digest(42)  # type: ignore[arg-type]
+
+
+# -- a caller's own hashes (/encode's "hashes" field) never name the server's entries -----------
+
+
+@given(text=hash_texts(), value=hash_values(), hashes=st.sampled_from([HashScheme.SGLANG, HashScheme.BLAKE3]))
+@example(text="1", value=1, hashes=HashScheme.SGLANG)  # a caller naming its pixels by a server hash
+@example(text="18446744073709551615", value=2**64 - 1, hashes=HashScheme.SGLANG)
+def test_a_caller_hash_is_an_identifier_apart_from_every_server_hash(
+    text: str, value: int, hashes: HashScheme
+) -> None:
+    from mmkey.integrations.sglang._caller_hashes import caller_text
+
+    caller = sglang_key("model", Modality.IMAGE, caller_text(text), hashes)
+    server = sglang_key("model", Modality.IMAGE, str(value), hashes)
+    assert caller.scheme is HashScheme.ID
+    assert caller != server
+    assert caller == sglang_key("model", Modality.IMAGE, caller_text(text), hashes)  # callers share
+
+
+def test_scoping_rewrites_each_requests_hashes_into_new_dicts() -> None:
+    from mmkey.integrations.sglang._caller_hashes import scope_caller_hashes
+
+    own = {"req_id": "r0", "mm_items": ["x"]}
+    named = {"req_id": "r1", "mm_items": ["y", "z"], "hashes": [123, "abc"]}
+    encoder = object()
+    changed = scope_caller_hashes(encoder, [own, named], "IMAGE", use_global_cache=True)
+    assert changed is not None
+    args, kwargs = changed
+    assert args[0] is encoder and args[2] == "IMAGE" and kwargs == {"use_global_cache": True}
+    assert args[1][0] is own
+    assert args[1][1] == {"req_id": "r1", "mm_items": ["y", "z"], "hashes": ["caller:123", "caller:abc"]}
+    assert named["hashes"] == [123, "abc"]  # the caller's dict is left as it was
+    by_keyword = scope_caller_hashes(encoder, requests=[named], modality="IMAGE", use_global_cache=True)
+    assert by_keyword is not None
+    assert by_keyword[1]["requests"][0]["hashes"] == ["caller:123", "caller:abc"]
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [[{"req_id": "r", "mm_items": ["x"]}], [{"req_id": "r", "hashes": None}], "not a list", []],
+)
+def test_scoping_leaves_calls_without_caller_hashes_alone(requests: object) -> None:
+    from mmkey.integrations.sglang._caller_hashes import scope_caller_hashes
+
+    assert scope_caller_hashes(object(), requests, "IMAGE", use_global_cache=True) is None
+    assert scope_caller_hashes(object()) is None
+
+
+def test_hashes_that_are_not_a_list_are_scoped_as_sglang_flattens_them() -> None:
+    from mmkey.integrations.sglang._caller_hashes import scope_caller_hashes
+
+    changed = scope_caller_hashes(object(), [{"hashes": "12"}, {"hashes": 7}], "IMAGE")
+    assert changed is not None
+    text, number = changed[0][1]
+    assert text["hashes"] == ["caller:1", "caller:2"]  # SGLang iterates a string's characters
+    assert number["hashes"] == 7  # not iterable: SGLang's own length check refuses the request

@@ -15,6 +15,7 @@ import pickle
 import signal
 import subprocess
 import sys
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -27,8 +28,11 @@ from tests.integrations.sglang.sglang_support import require_sglang
 require_sglang()
 
 import sglang.srt.plugins as plugins  # noqa: E402
+from sglang.srt.disaggregation.encoder.server import MMEncoder  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 
+import mmkey.integrations.sglang._caller_hashes as caller_hashes  # noqa: E402
 import mmkey.integrations.sglang._plugin as integration  # noqa: E402
 import mmkey.integrations.sglang._spawn as spawn_hook  # noqa: E402
 from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore, SGLangConfigError  # noqa: E402
@@ -50,6 +54,11 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
             )
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
     monkeypatch.setattr(integration, "_plugin_errors", None)
+    # the hooks a loaded plugin registers and applies, undone afterwards
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    monkeypatch.setattr(caller_hashes, "_installed", False)
+    monkeypatch.setattr(MMEncoder, "_prepare_encode_context", MMEncoder._prepare_encode_context)
     monkeypatch.setattr(spawn_hook, "_problems", {})
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
@@ -425,6 +434,23 @@ def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugi
         )
 
 
+def test_the_switch_gives_caller_hashes_a_key_space_of_their_own(fresh_loader: pytest.MonkeyPatch) -> None:
+    original = MMEncoder._prepare_encode_context
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    plugins.load_plugins()
+    assert integration.plugin_errors() == []
+    assert caller_hashes.installed()
+    applied = MMEncoder._prepare_encode_context
+    assert applied is not original and getattr(applied, "__wrapped__", None) is original
+
+
+def test_without_the_switch_caller_hashes_are_left_to_sglang(fresh_loader: pytest.MonkeyPatch) -> None:
+    original = MMEncoder._prepare_encode_context
+    plugins.load_plugins()
+    assert not caller_hashes.installed()
+    assert MMEncoder._prepare_encode_context is original
+
+
 # -- MMKEY_SGLANG_HASH=blake3: 128-bit feature hashes through SGLang's hook registry ----------
 
 
@@ -432,16 +458,10 @@ def test_the_shipped_sglang_patch_applies_and_makes_the_spawn_targets_load_plugi
 def blake3_plugin(fresh_loader: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """The plugin loaded with ``MMKEY_SGLANG_HASH=blake3``; SGLang's hook registry and the
     hooked functions restored afterwards."""
-    from collections import defaultdict
-
     import sglang.srt.managers.mm_utils as mm_utils
-    from sglang.srt.disaggregation.encoder.server import MMEncoder
-    from sglang.srt.plugins.hook_registry import HookRegistry
 
     import mmkey.integrations.sglang._hash as hashing
 
-    fresh_loader.setattr(HookRegistry, "_hooks", defaultdict(list))
-    fresh_loader.setattr(HookRegistry, "_patched", set())
     fresh_loader.setattr(hashing, "_installed", False)
     fresh_loader.setattr(mm_utils, "tensor_hash", mm_utils.tensor_hash)
     fresh_loader.setattr(

@@ -72,7 +72,8 @@ def register_plugin() -> None:
     """SGLang general plugin: with ``MMKEY_SGLANG_BACKEND`` set to anything but ``0``,
     register `MMKeyEmbeddingStore` as the ``mooncake`` and ``mmkey`` embedding store
     backends, and make the encoder processes SGLang spawns (TP ranks above 0, DP workers) do
-    the same before they start (``cover_spawned_encoders``); otherwise do nothing.
+    the same before they start (``cover_spawned_encoders``), and give the hashes a request
+    supplies a key space of their own (``_caller_hashes``); otherwise do nothing.
 
     Configuration errors (the switch's value, ``MMKEY_NAMESPACE``, ``MMKEY_SGLANG_HASH``, the
     Mooncake configuration, SGLang's version) are logged at ERROR and recorded: the store's
@@ -99,6 +100,10 @@ def register_plugin() -> None:
     for error in errors:
         logger.error("mmkey: %s", error)
     cover_spawned_encoders()
+    if not errors:
+        from mmkey.integrations.sglang import _caller_hashes
+
+        _caller_hashes.install()  # a caller's hashes never name the server's own entries
     if not errors and hash_mode() is HashScheme.BLAKE3:
         from mmkey.integrations.sglang._hash import install
 

@@ -11,6 +11,14 @@ class MMEncoder:
         rank: int = 0,
         gpu_id: int | None = None,
     ) -> None: ...
+    async def _prepare_encode_context(
+        self,
+        requests: list[dict[str, Any]],
+        modality: Any,
+        *,
+        use_global_cache: bool,
+        is_health_check: bool = False,
+    ) -> Any: ...
     def _calculate_hashes_from_features(
         self, mm_feature: Any, grid_thw: list[Any], modality: Any, mm_inputs: Any = None
     ) -> list[int]: ...
