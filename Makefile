@@ -245,6 +245,7 @@ bench: $(VENV)/.dev
 
 bench-sglang: $(SGLANG_READY)
 	MC_LOG_LEVEL=ERROR $(SGLANG_VENV)/bin/python benchmarks/bench_sglang.py
+	MC_LOG_LEVEL=ERROR OMP_NUM_THREADS=1 $(SGLANG_VENV)/bin/python benchmarks/bench_sglang_servers.py
 
 bench-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR $(VLLM_BIN)/python benchmarks/bench_vllm.py
