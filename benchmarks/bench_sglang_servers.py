@@ -124,9 +124,8 @@ def main() -> int:
             s, m = fn(results["sglang"][field]) * 1e3, fn(results["mmkey"][field]) * 1e3
             print(f"{label + ' (' + stat + ')':38} {s:9.1f} {m:9.1f} {m / s:6.2f}x")
     print(f"{'bytes stored per entry':38} {sizes['sglang']:9d} {sizes['mmkey']:9d}")
-    print(
-        f"{'hits whose bytes differ from the miss':38} {results['sglang']['wrong']:9d} {results['mmkey']['wrong']:9d}"
-    )
+    wrong = {name: r["wrong"] for name, r in results.items()}
+    print(f"{'hits whose bytes differ from the miss':38} {wrong['sglang']:9d} {wrong['mmkey']:9d}")
     print(f"a damaged entry: sglang {fates['sglang']}; mmkey {fates['mmkey']}")
     return 0
 
