@@ -149,3 +149,22 @@ def test_every_scenario_held_by_the_scripts_own_verdict(run: dict[str, Any]) -> 
         True,
     )
     assert run["ok"] is True
+
+
+def test_the_environments_sglang_carries_the_cpu_patch() -> None:
+    """scripts/sglang-env.sh applied patches/sglang-0.5.23-cpu-global-cache.patch: it reverses
+    cleanly on the installed SGLang (a dry run; nothing is changed)."""
+    import shutil
+
+    import sglang
+
+    if shutil.which("patch") is None:
+        pytest.skip("needs the patch program")
+    patch_file = SCRIPT.parents[1] / "patches" / "sglang-0.5.23-cpu-global-cache.patch"
+    site = Path(sglang.__file__).parents[1]
+    done = subprocess.run(
+        ["patch", "-p1", "-R", "--dry-run", "-d", str(site), "-i", str(patch_file)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
