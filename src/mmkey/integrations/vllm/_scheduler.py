@@ -210,24 +210,23 @@ class SchedulerSide:
             if modality is None or position.offset + position.length <= num_computed_tokens:
                 continue
             identifier = feature.identifier
-            if identifier in self._shipped or identifier in self._conflicted:
-                continue  # in vLLM's encoder cache already, or encoded here
+            if identifier in self._shipped:
+                continue  # in vLLM's encoder cache already (or encoded there if it was evicted)
             known = stager.state(identifier) if identifier in state.names else None
             if known is Staged.STAGED or (known is Staged.MISSING and not state.announced):
                 continue  # answered: the common case of a later step, no key work
             key = self._key_of(request, state, index, modality)
-            if identifier not in state.names:
+            first_ask = identifier not in state.names
+            if first_ask:  # every live request that names it counts, conflicted or not
                 self._share(identifier, key)
                 state.names.add(identifier)
                 self._users.setdefault(identifier, set()).add(request.request_id)
-                if identifier in self._conflicted:
-                    continue
-                staged = stager.want(identifier, key, request.get_num_encoder_embeds(index))
-                if staged is Staged.MISSING:  # missing for an earlier request: ask again
-                    stager.retry(identifier)
-                    staged = Staged.PENDING
-            else:
-                staged = stager.want(identifier, key, request.get_num_encoder_embeds(index))
+            if identifier in self._conflicted:
+                continue  # encoded here
+            staged = stager.want(identifier, key, request.get_num_encoder_embeds(index))
+            if first_ask and staged is Staged.MISSING:  # missing for an earlier request: ask again
+                stager.retry(identifier)
+                staged = Staged.PENDING
             announced = key.to_key() in state.announced
             if staged is Staged.PENDING:
                 waiting = True
