@@ -1,5 +1,6 @@
 from typing import Any
 
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.sampling_params import SamplingParams
 
@@ -7,6 +8,8 @@ class Request:
     request_id: str
     mm_features: list[MultiModalFeatureSpec]
     ec_transfer_params: dict[str, Any] | None
+    lora_request: LoRARequest | None
+    cache_salt: str | None
     def __init__(
         self,
         request_id: str,
@@ -15,5 +18,7 @@ class Request:
         pooling_params: None,
         *,
         mm_features: list[MultiModalFeatureSpec] | None = ...,
+        lora_request: LoRARequest | None = ...,
+        cache_salt: str | None = ...,
     ) -> None: ...
     def get_num_encoder_embeds(self, input_id: int) -> int: ...

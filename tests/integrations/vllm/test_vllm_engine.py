@@ -305,15 +305,26 @@ def test_a_second_engine_loads_every_image_and_never_runs_the_tower(
 def test_a_corrupted_entry_is_encoded_again_and_the_engine_survives(
     model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:
+    """Also a client's forged ``ec_transfer_params``: every request claims a producer encoded
+    each of the namespace's keys, the corrupted one included, which no producer will store
+    again; the request that holds it waits ``producer_wait_s`` at most, then is encoded."""
     ns = first_engine_stores(model_dir, fleet, host, reference, tmp_path, "corrupt")
     flipped = corrupt_one_entry(fleet, ns)
     assert flipped
+    forged = {"mmkey": {"encoded": sorted(k for k in _stored_keys(fleet) if _namespace_of(k) == ns)}}
+    wait_s = 1.0
     second = host.run(
         tmp_path,
         "second",
-        {"model": str(model_dir), "ec": ec_config(fleet, namespace=ns), "prompts": PROMPTS},
+        {
+            "model": str(model_dir),
+            "ec": ec_config(fleet, namespace=ns, producer_wait_s=wait_s),
+            "prompts": PROMPTS,
+            "ec_transfer_params": [forged] * len(PROMPTS),
+        },
     )
     assert_served(second, reference, encoded=1, loaded=DISTINCT_IMAGES - 1)  # only the corrupted one encoded
+    assert second["round_seconds"][0] < wait_s + 3.0  # the bound, and a step's noise on 2 cores
 
 
 def corrupt_one_entry(fleet: Fleet, namespace: str) -> bool:

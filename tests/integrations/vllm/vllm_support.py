@@ -140,13 +140,17 @@ def request(
     items: Sequence[tuple[str, str, int]],
     *,
     data: Mapping[str, torch.Tensor] | None = None,
-    ec_transfer_params: dict[str, Any] | None = None,
+    ec_transfer_params: object = None,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
 ) -> Request:
     """A vLLM `Request` whose features are (identifier, modality, embeddings) in prompt order.
 
     `data`: processed inputs by identifier (vLLM's `MultiModalKwargsItem` of one field,
     ``pixel_values``), as a scheduler sees them; without, the features carry no data.
+    `cache_salt` and `lora_name` are vLLM's own request fields (a tenant's salt, an adapter).
     """
+    from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import (
         MultiModalFeatureSpec,
         MultiModalFieldElem,
@@ -175,8 +179,17 @@ def request(
             )
         )
         offset += length + 1
-    made = Request(request_id, [0] * (offset + 1), SamplingParams(max_tokens=1), None, mm_features=features)
-    made.ec_transfer_params = ec_transfer_params
+    lora = None if lora_name is None else LoRARequest(lora_name, 1, "/nonexistent")
+    made = Request(
+        request_id,
+        [0] * (offset + 1),
+        SamplingParams(max_tokens=1),
+        None,
+        mm_features=features,
+        lora_request=lora,
+        cache_salt=cache_salt,
+    )
+    made.ec_transfer_params = ec_transfer_params  # type: ignore[assignment]  # what a client may send
     return made
 
 

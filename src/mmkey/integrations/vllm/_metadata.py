@@ -49,6 +49,7 @@ _STAT_NAMES = (
     "save_failures",
     "saves_dropped",
     "store_errors",
+    "announcements_ignored",
 )
 
 
@@ -61,7 +62,9 @@ class MMKeyECStats(ECConnectorStats):
     request waited for its fetches), ``waited_out`` (times the wait ended with items still
     unanswered: they are encoded). Worker side: ``loaded``; ``saves``/``saved``/
     ``saves_skipped`` (already stored)/``save_failures``/``saves_dropped`` (over the pending
-    budget). ``store_errors``: store calls that raised.
+    budget). ``store_errors``: store calls that raised. ``announcements_ignored``: requests
+    whose ``ec_transfer_params`` named keys of another namespace, were malformed, or were
+    not signed with the fleet's entry secret where one is set.
     """
 
     def reset(self) -> None:

@@ -12,15 +12,22 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mmkey.cache.protocol import EmbeddingCache
-from mmkey.digest import HashScheme, MMHash, Modality
+from mmkey.digest import HashScheme, Modality
+from mmkey.entry.auth import EntryKeyring
 from mmkey.integrations._common import Counters
+from mmkey.integrations.vllm._announce import announce, read_announcement
 from mmkey.integrations.vllm._metadata import LoadItem, MMKeyECMetadata
-from mmkey.integrations.vllm._settings import ConnectorSettings, content_digest, identifier_key, modality_of
+from mmkey.integrations.vllm._settings import (
+    ConnectorSettings,
+    content_digest,
+    identifier_key,
+    modality_of,
+    scoped_identifier_key,
+)
 from mmkey.integrations.vllm._staging import Staged, Stager, StagerCounts
 from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:
-    from vllm.multimodal.inputs import MultiModalFeatureSpec
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerSide"]
@@ -28,10 +35,12 @@ __all__ = ["SchedulerSide"]
 _MAX_TRACKED = 4096
 _WAIT_MARGIN_S = 0.5
 """Added to the store's timeout: how long a request waits for its fetches at most."""
-_RETRY_EVERY_S = 0.02
-"""How often a consumer asks again for an item a producer announced."""
-_PARAMS_KEY = "mmkey"
-_MAX_ANNOUNCED = 1024
+_RETRY_FIRST_S = 0.02
+"""How soon a consumer first asks again for an item a producer announced; each retry
+waits twice as long as the one before, up to `_RETRY_LONGEST_S` (or a 16th of the wait)."""
+_RETRY_LONGEST_S = 0.25
+_MAX_RETRIES = 32
+"""Retries of a request's announced items at most: then they are encoded here."""
 
 
 @attrs.define(slots=True)
@@ -41,14 +50,20 @@ class _RequestState:
     names: set[str] = attrs.field(factory=set)
     """Identifiers of its items this side asked about."""
     announced: frozenset[str] = frozenset()
-    """Key texts a producer said it encoded for this request (``ec_transfer_params``)."""
+    """Key texts of this namespace a producer said it encoded for this request
+    (``ec_transfer_params``, verified where the fleet has an entry secret)."""
     saved: set[str] = attrs.field(factory=set)
     """Key texts this side planned to save for this request (announced when it finishes)."""
-    since: float | None = None
-    """When the request was first deferred for its fetches (monotonic); ``None`` when not."""
-    last_retry: float = 0.0
-    answered: int = -1
-    """The stager's answer count when `since` was last set."""
+    keys: dict[int, EmbeddingKey] = attrs.field(factory=dict)
+    """The key of each of its items (by index), computed once from the item's data."""
+    lookup_deadline: float | None = None
+    """When its wait for fetches ends (monotonic), set when it is first deferred and never
+    moved; ``None`` until then."""
+    producer_deadline: float | None = None
+    """When its wait for announced items ends, set at the same time, never moved."""
+    retries: int = 0
+    """Rounds of retries of its announced items so far (at most `_MAX_RETRIES`)."""
+    next_retry: float = 0.0
     waited_out: bool = False
     """The request waited its longest once; it is not deferred again."""
 
@@ -58,7 +73,9 @@ class SchedulerSide:
 
     `stage`: whether this side stages items at all (the connector's scheduler role); without
     it every item is a miss and nothing is fetched. `consumer`/`producer`: the connector's
-    role in a disaggregated setup; `warn` logs a store fault at a limited rate.
+    role in a disaggregated setup; `warn` logs a store fault at a limited rate. `keyring`:
+    the fleet's entry secrets, which sign and verify announcements (``None``: unsigned).
+    `clock` (monotonic) times every wait, `wall_clock` (the epoch's) the secrets' expiry.
     """
 
     def __init__(
@@ -72,12 +89,18 @@ class SchedulerSide:
         producer: bool,
         counts: Counters,
         warn: Callable[[str, str], None],
+        keyring: EntryKeyring | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._namespace = namespace
         self._settings = settings
         self._consumer = consumer
         self._producer = producer
         self._counts = counts
+        self._keyring = keyring
+        self._clock = clock
+        self._wall_clock = wall_clock
         self._stager: Stager | None = None
         if stage:
             self._stager = Stager(
@@ -86,21 +109,23 @@ class SchedulerSide:
                 max_bytes=settings.max_staged_bytes,
                 on_error=lambda message: warn("lookup", message),
             )
-        self._digests: OrderedDict[str, MMHash] = OrderedDict()
-        self._keys: OrderedDict[tuple[str, Modality], EmbeddingKey] = OrderedDict()
         self._requests: dict[str, _RequestState] = {}
         self._users: dict[str, set[str]] = {}
+        self._item_keys: dict[str, EmbeddingKey] = {}
+        """The key of each identifier its live requests share."""
+        self._conflicted: set[str] = set()
+        """Identifiers live requests name with different keys (one uuid, two images):
+        neither claimed nor saved until the last of those requests lets go."""
         self._shipped: OrderedDict[str, None] = OrderedDict()
         self._loads: dict[str, LoadItem] = {}
         self._saves: dict[str, EmbeddingKey] = {}
         self._lookup_wait = _store_timeout(cache) + _WAIT_MARGIN_S
+        self._retry_longest = max(_RETRY_LONGEST_S, settings.producer_wait_s / 16)
 
     def key(self, identifier: str, modality: Modality) -> EmbeddingKey:
-        """The key of an item: by its content digest once seen with processed inputs, else by
-        vLLM's identifier."""
-        digest = self._digests.get(identifier)
-        if digest is not None:
-            return EmbeddingKey(self._namespace, modality, HashScheme.BLAKE3, digest)
+        """The key of an item vLLM sends without its data, for a request with no
+        ``cache_salt`` and no LoRA adapter: its identifier's. (An item with data is keyed by
+        the digest of that data, every time.)"""
         return identifier_key(self._namespace, modality, identifier)
 
     def stager_counts(self) -> StagerCounts | None:
@@ -112,40 +137,71 @@ class SchedulerSide:
         if self._stager is not None:
             self._stager.close()
 
-    def _key_of(self, feature: MultiModalFeatureSpec, modality: Modality) -> EmbeddingKey:
-        """The key of a feature: the digest of its processed inputs (computed once per
-        identifier and remembered), else its identifier's."""
-        identifier = feature.identifier
-        memo = (identifier, modality)
-        if identifier not in self._digests and feature.data is not None:
-            digest = content_digest(feature.data.get_data())
-            if digest is not None:
-                self._digests[identifier] = digest
-                self._keys.pop(memo, None)  # an identifier key made before the data was seen
-                if len(self._digests) > _MAX_TRACKED:
-                    self._digests.popitem(last=False)
-        key = self._keys.get(memo)
-        if key is None:
-            key = self._keys[memo] = self.key(identifier, modality)
-            if len(self._keys) > _MAX_TRACKED:
-                self._keys.popitem(last=False)
+    def _key_of(self, request: Request, state: _RequestState, index: int, modality: Modality) -> EmbeddingKey:
+        """The key of a request's item: the digest of its processed inputs where vLLM sent
+        them, else its identifier within the request's tenant (salt, adapter); once per
+        request and item, never remembered for another request."""
+        key = state.keys.get(index)
+        if key is not None:
+            return key
+        feature = request.mm_features[index]
+        digest = content_digest(feature.data.get_data()) if feature.data is not None else None
+        if digest is not None:
+            key = EmbeddingKey(self._namespace, modality, HashScheme.BLAKE3, digest)
+        else:
+            lora = request.lora_request
+            key = scoped_identifier_key(
+                self._namespace,
+                modality,
+                feature.identifier,
+                cache_salt=request.cache_salt,
+                lora=None if lora is None else lora.lora_name,
+            )
+        state.keys[index] = key
         return key
 
     def _state_of(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = _RequestState(announced=_announced(request))
+            announcement = read_announcement(
+                getattr(request, "ec_transfer_params", None),
+                self._namespace,
+                self._keyring,
+                now=self._wall_clock(),
+            )
+            if announcement.ignored is not None:
+                self._counts.add(announcements_ignored=1)
+            state = _RequestState(announced=announcement.keys)
             self._requests[request.request_id] = state
         return state
 
+    def _share(self, identifier: str, key: EmbeddingKey) -> None:
+        """Note that a live request names `identifier` with `key`; two keys for one
+        identifier make it conflicted (see `_conflicted`)."""
+        held = self._item_keys.get(identifier)
+        if held is None:
+            self._item_keys[identifier] = key
+        elif held != key and identifier not in self._conflicted:
+            self._conflicted.add(identifier)
+            self._saves.pop(identifier, None)  # it would save one image's output under the other's key
+            if self._stager is not None:
+                self._stager.release(identifier)
+
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """Start fetching the request's items ahead of ``num_computed_tokens``; ``False`` (vLLM
-        tries again next step) while any is unanswered, for at most the store's timeout, or
-        ``producer_wait_s`` for items a producer announced but the store does not hold yet."""
+        tries again next step) while any is unanswered, or while an item a producer announced
+        is not stored yet. Both waits are bounded from the request's first deferral (the
+        store's timeout plus 0.5 s; ``producer_wait_s`` for announced items), whatever answers
+        come meanwhile; announced items are asked again at most `_MAX_RETRIES` times."""
         stager = self._stager
         if stager is None:
             return True
         state = self._state_of(request)
+        if state.waited_out:
+            return True
+        now = self._clock()
+        retry_due = bool(state.announced) and state.retries < _MAX_RETRIES and now >= state.next_retry
+        retried = False
         waiting = False
         waiting_for_producer = False
         for index, feature in enumerate(request.mm_features):
@@ -159,34 +215,39 @@ class SchedulerSide:
             known = stager.state(identifier) if identifier in state.names else None
             if known is Staged.STAGED or (known is Staged.MISSING and not state.announced):
                 continue  # answered: the common case of a later step, no key work
-            key = self._key_of(feature, modality)
-            staged = stager.want(identifier, key, request.get_num_encoder_embeds(index))
-            if identifier not in state.names:
+            key = self._key_of(request, state, index, modality)
+            first_ask = identifier not in state.names
+            if first_ask:  # every live request that names it counts, conflicted or not
+                self._share(identifier, key)
                 state.names.add(identifier)
                 self._users.setdefault(identifier, set()).add(request.request_id)
-                if staged is Staged.MISSING:  # missing for an earlier request: ask again
-                    stager.retry(identifier)
-                    staged = Staged.PENDING
+            if identifier in self._conflicted:
+                continue  # encoded here
+            staged = stager.want(identifier, key, request.get_num_encoder_embeds(index))
+            if first_ask and staged is Staged.MISSING:  # missing for an earlier request: ask again
+                stager.retry(identifier)
+                staged = Staged.PENDING
+            announced = key.to_key() in state.announced
             if staged is Staged.PENDING:
                 waiting = True
-            elif staged is Staged.MISSING and key.to_key() in state.announced:
+                waiting_for_producer |= announced
+            elif staged is Staged.MISSING and announced and state.retries < _MAX_RETRIES:
                 waiting = waiting_for_producer = True
-                now = time.monotonic()
-                if now - state.last_retry >= _RETRY_EVERY_S:
-                    state.last_retry = now
+                if retry_due:
                     stager.retry(identifier)
-        if not waiting or state.waited_out:
-            state.since = None
+                    retried = True
+        if retried:
+            state.next_retry = now + min(_RETRY_FIRST_S * 2**state.retries, self._retry_longest)
+            state.retries += 1
+        if not waiting:
             return True
-        now = time.monotonic()
-        answered = stager.answered()
-        if state.since is None:
+        if state.lookup_deadline is None:
             self._counts.add(deferred=1)
-        if state.since is None or answered != state.answered:
-            state.since = now  # the wait is bounded from the last answer, each call is bounded
-            state.answered = answered
-        limit = self._settings.producer_wait_s if waiting_for_producer else self._lookup_wait
-        if now - state.since < max(limit, self._lookup_wait):
+            state.lookup_deadline = now + self._lookup_wait
+            state.producer_deadline = now + max(self._lookup_wait, self._settings.producer_wait_s)
+        deadline = state.producer_deadline if waiting_for_producer else state.lookup_deadline
+        assert deadline is not None
+        if now < deadline:
             return False
         self._counts.add(waited_out=1)
         state.waited_out = True  # waited once: the rest is encoded here, never deferred again
@@ -198,13 +259,19 @@ class SchedulerSide:
         Never calls the store: items not asked for by `ensure_cache_available` are misses.
         """
         stager = self._stager
-        return stager is not None and stager.state(identifier) is Staged.STAGED
+        return (
+            stager is not None
+            and identifier not in self._conflicted
+            and stager.state(identifier) is Staged.STAGED
+        )
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         """Hand a staged item to this step's loads (consumers); plan the save of an item to
         encode (producers)."""
         feature = request.mm_features[index]
         identifier = feature.identifier
+        if identifier in self._conflicted:
+            return  # vLLM encodes it; its output is not saved under either key
         stager = self._stager
         if stager is not None and stager.state(identifier) is Staged.STAGED:
             if self._consumer:
@@ -217,9 +284,16 @@ class SchedulerSide:
             return
         modality = modality_of(feature.modality)
         if self._producer and modality is not None:
-            key = self._key_of(feature, modality)
+            state = self._state_of(request)
+            key = self._key_of(request, state, index, modality)
+            if stager is not None and identifier not in state.names:
+                self._share(identifier, key)  # (a request that was never deferred)
+                state.names.add(identifier)
+                self._users.setdefault(identifier, set()).add(request.request_id)
+                if identifier in self._conflicted:
+                    return
             self._saves[identifier] = key
-            self._state_of(request).saved.add(key.to_key())
+            state.saved.add(key.to_key())
 
     def build_connector_meta(self) -> MMKeyECMetadata:
         """This step's loads (staged tensors, handed over) and saves."""
@@ -235,6 +309,8 @@ class SchedulerSide:
         users.discard(request_id)
         if not users:
             del self._users[identifier]
+            self._item_keys.pop(identifier, None)
+            self._conflicted.discard(identifier)
             if self._stager is not None:
                 self._stager.release(identifier)
             self._shipped.pop(identifier, None)
@@ -257,20 +333,8 @@ class SchedulerSide:
         for identifier in state.names:
             self._forget(request.request_id, identifier)
         if self._producer and state.saved:
-            return False, {_PARAMS_KEY: {"encoded": sorted(state.saved)}}
+            return False, announce(state.saved, self._keyring)
         return False, None
-
-
-def _announced(request: Request) -> frozenset[str]:
-    """Key texts a producer announced in the request's ``ec_transfer_params`` (others ignored)."""
-    params = getattr(request, "ec_transfer_params", None)
-    if not isinstance(params, dict):
-        return frozenset()
-    ours = params.get(_PARAMS_KEY)
-    encoded = ours.get("encoded") if isinstance(ours, dict) else None
-    if not isinstance(encoded, list):
-        return frozenset()
-    return frozenset(k for k in encoded[:_MAX_ANNOUNCED] if isinstance(k, str))
 
 
 def _store_timeout(cache: EmbeddingCache) -> float:

@@ -26,6 +26,7 @@ __all__ = [
     "identifier_key",
     "identifier_keys",
     "modality_of",
+    "scoped_identifier_key",
     "vllm_namespace",
 ]
 
@@ -131,6 +132,31 @@ def identifier_key(namespace: str, modality: Modality, identifier: str) -> Embed
     never share a key, and nothing about the text is parsed or normalised.
     """
     return EmbeddingKey(namespace, modality, HashScheme.ID, identifier_digest(identifier))
+
+
+_SCOPE_DOMAIN = b"mmkey/vllm-scoped-id/v1\x00"
+
+
+def scoped_identifier_key(
+    namespace: str, modality: Modality, identifier: str, *, cache_salt: str | None, lora: str | None
+) -> EmbeddingKey:
+    """The key of an item vLLM sent without its data: its identifier (a caller's uuid, say)
+    within the request's tenant, vLLM's ``cache_salt``, and LoRA adapter name.
+
+    Without either it is `identifier_key`; with one, BLAKE3-128 over a domain of its own and
+    the length-framed parts, so no identifier text, salt or adapter name reaches another's key.
+    """
+    if cache_salt is None and lora is None:
+        return identifier_key(namespace, modality, identifier)
+    import blake3
+
+    parts = [
+        b"-" if part is None else b"+" + len(raw).to_bytes(8, "little") + raw
+        for part in (cache_salt, lora, identifier)
+        for raw in ((part or "").encode("utf-8", "surrogatepass"),)
+    ]
+    digest = int.from_bytes(blake3.blake3(_SCOPE_DOMAIN + b"".join(parts)).digest(16), "big")
+    return EmbeddingKey(namespace, modality, HashScheme.ID, MMHash(digest))
 
 
 def identifier_keys(namespace: str, modality: Modality, identifiers: Sequence[str]) -> list[EmbeddingKey]:
