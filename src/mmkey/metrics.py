@@ -3,7 +3,7 @@
 `MeteredCache` wraps a cache, is itself an `EmbeddingCache`, and times every call into a
 latency histogram per operation. At each scrape it also exports the wrapped cache's
 `CacheStats` counters (hits, misses, inserts, evictions, corrupt, forged and its reasons,
-errors, skipped, unsigned_served, oversized), what it holds where it knows
+errors, skipped, squatted, unsigned_served, oversized), what it holds where it knows
 (``bytes_held``, ``entries``), and, for caches that report
 `CacheHealth` (a remote store's client), breaker state and quarantined holders::
 
@@ -82,6 +82,7 @@ COUNTERS: dict[str, str] = {
     "forged": "Entries whose authentication failed on read (served as misses).",
     "errors": "Store calls that failed or timed out.",
     "skipped": "Calls answered without asking the store (store down, or holders quarantined).",
+    "squatted": "Keys written over another client's put session that reserved them unwritten.",
     "unsigned": "Of forged: entries without a MAC, read outside a migration window.",
     "unknown_key": "Of forged: entries naming a secret the keyring does not hold.",
     "expired": "Of forged: entries made with a previous secret past its not-after time.",

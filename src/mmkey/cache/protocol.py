@@ -37,6 +37,10 @@ class CacheStats:
     skipped: int = 0
     """Calls answered without asking the store (served as misses or failed inserts): the
     store was known to be down, or every copy of an entry sat on a failed holder."""
+    squatted: int = 0
+    """Keys written over a put session of another client that reserved them, while the store
+    did not hold them, past the wait for a write in progress (a squat, or a writer that died
+    mid-write); counted apart from `skipped`."""
     unsigned: int = 0
     """Of `forged`: entries without a MAC, read outside a migration window."""
     unknown_key: int = 0

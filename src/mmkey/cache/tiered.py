@@ -239,6 +239,7 @@ class TieredCache:
                 errors=self._errors + s1.errors + s2.errors,
                 forged=s1.forged + s2.forged,
                 skipped=s1.skipped + s2.skipped,
+                squatted=s1.squatted + s2.squatted,
                 unsigned=s1.unsigned + s2.unsigned,
                 unknown_key=s1.unknown_key + s2.unknown_key,
                 expired=s1.expired + s2.expired,

@@ -381,3 +381,42 @@ def test_replicas_go_to_distinct_holders(master: FakeMooncakeMaster, holders: tu
         assert sorted(master.holders_of(key(120).to_key())) == sorted(h.endpoint for h in holders)
         got = cache.get_embeddings([key(120)])[0]
         assert got is not None and torch.equal(got, torch.ones(3))
+
+
+def test_a_mixed_burst_of_refused_entries_is_logged_whole_in_one_line(
+    master: FakeMooncakeMaster, caplog: pytest.LogCaptureFixture
+) -> None:
+    import hashlib
+    import logging
+
+    from mmkey.entry.auth import EntryKeyring
+
+    ours = EntryKeyring.from_secrets(hashlib.sha256(b"ours").hexdigest())
+    theirs = EntryKeyring.from_secrets(hashlib.sha256(b"theirs").hexdigest())
+    settings = {"global_segment_size": 64 * MiB, "local_buffer_size": 8 * MiB, "timeout": 2.0}
+    config = MooncakeConfig(master_server_address=master.address, **settings)  # type: ignore[arg-type]
+    raw = FakeMooncakeStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 16 * MiB, "tcp", "", master.address) == 0
+    t = torch.randn(4, 8)
+    entries = {
+        key(900).to_key(): encode_entry(key(900).to_key(), t),  # unsigned
+        key(901).to_key(): encode_entry(key(901).to_key(), t),  # unsigned
+        key(902).to_key(): encode_entry(key(902).to_key(), t, keyring=theirs),  # unknown_key
+        key(903).to_key(): encode_entry(key(904).to_key(), t, keyring=ours),  # bad_mac: another key's
+        key(905).to_key(): b"not an entry at all",
+    }
+    for text, entry in entries.items():
+        assert raw.upsert(text, entry) == 0
+    caplog.set_level(logging.WARNING, logger="mmkey.cache.mooncake")
+    with MooncakeCache(config, keyring=ours, store_class=FakeMooncakeStore) as reader:
+        assert reader.get_embeddings([key(i) for i in (900, 901, 902, 903, 905)]) == [None] * 5
+        stats = reader.stats()
+    lines = [r.getMessage() for r in caplog.records if "did not verify" in r.getMessage()]
+    assert len(lines) == 1, lines
+    [line] = lines
+    assert stats.forged == 5
+    kinds = {"unsigned": stats.unsigned, "unknown_key": stats.unknown_key, "bad_mac": stats.bad_mac}
+    for reason, n in kinds.items():
+        if n:
+            assert f"{n} forged ({reason})" in line  # every kind, with its count
+    assert sum(kinds.values()) == 5 and len([n for n in kinds.values() if n]) >= 3

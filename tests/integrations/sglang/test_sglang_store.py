@@ -762,3 +762,29 @@ def test_fleet_secret_from_the_environment_signs_and_checks_entries(
     assert stranger.stats().forged == 1
     assert stranger.stats().unknown_key == 1  # the reason reaches SGLang's store counters
     assert not theirs.any()
+
+
+def test_a_squatted_key_is_not_reported_stored_until_it_is_written_over(
+    make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess
+) -> None:
+    from mmkey.cache.mooncake._reserved import RESERVED_WAIT_S
+
+    # a call of 1 s cannot wait out the 1 s a reservation is taken for a write in progress
+    store = make_store(timeout=1.0)
+    src, ptrs, sizes = pages(store, 16)
+    src[:16] = embedding(16, 64, 77)
+    text = store.get_key("4242")
+    with raw_client(local_config(mooncake_master_session, global_segment_size=0)) as squatter:
+        assert squatter.batch_put_session_start([text], [4096]) == [0]  # and never writes
+        first = time.monotonic()
+        assert store.batch_put_from_multi_buffers(["4242"], ptrs, sizes) == [False]
+        assert store.batch_is_exist(["4242"]) == [False]
+        assert (store.stats().skipped, store.stats().squatted) == (0, 0)  # not an honest skip
+        time.sleep(max(first + RESERVED_WAIT_S - time.monotonic(), 0.0))
+        assert store.batch_put_from_multi_buffers(["4242"], ptrs, sizes) == [True]  # written over
+    assert store.stats().squatted == 1
+    reader = make_store()
+    assert reader.batch_is_exist(["4242"]) == [True]
+    dst, ptrs, sizes = pages(reader, 16)
+    assert reader.batch_get_into_multi_buffers(["4242"], ptrs, sizes) == [True]
+    assert torch.equal(dst[:16], src[:16])

@@ -14,8 +14,12 @@ class Added(enum.Enum):
     STORED = "stored"
     """This call wrote the entry: it was the key's first writer."""
     HELD = "held"
-    """Nothing written by this call: the store holds the key, or a client (this one included,
-    on another of its lanes) is writing it."""
+    """Nothing written by this call: the store holds the key (another client's write of it
+    ended within the wait), or this client is writing it on another of its lanes."""
+    RESERVED = "reserved"
+    """Nothing written by this call: another client's put session reserves the key, which the
+    store does not hold, and the call ended before the wait for that write was over (a later
+    add past the wait writes over the reservation: see `MooncakeCache.add_from`)."""
     FAILED = "failed"
     """Not written as far as this call knows: a fault, a full store, or the call's timeout (a
     write handed to the store before the timeout may still complete after it, uncounted)."""

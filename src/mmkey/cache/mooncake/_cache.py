@@ -325,7 +325,12 @@ class MooncakeCache:
 
         `Added.STORED`: this call wrote the entry. `Added.HELD`: nothing written, as the
         store holds the key (whether its entry verifies or not: replace one with
-        `insert_from`) or a client is writing it. `Added.FAILED`: not written as far as this
+        `insert_from`) or this client is writing it on another lane. A key another client's
+        put session reserves while the store does not hold it is a write in progress: looked
+        at again until one second has passed since this cache first saw it so (at most half
+        the call's time), `Added.HELD` if it lands, else upserted over (a squat: counted in
+        ``stats().squatted``, logged at WARNING, rate-limited), or `Added.RESERVED` if the
+        call ends first (a later add finishes the wait). `Added.FAILED`: not written as far as this
         call knows (a fault, a full store, the timeout; a write handed to the store before the
         timeout may still complete after it, and is not counted in ``inserts``). Payloads
         are as `insert_from` takes them, sent straight from memory given to

@@ -79,13 +79,14 @@ class Reader:
         self._grouped_until = 0.0  # reads look holders up until then (after a failure)
 
     def refused(self, exc: CorruptEntry) -> None:
-        """Count and (rate-limited) log an entry that did not verify."""
+        """Count an entry that did not verify; `read` logs the counts of its call's
+        refusals, every kind with its count, in one line (rate-limited)."""
         if isinstance(exc, ForgedEntry):
             self._parts.counts.add(forged=1, **{exc.reason: 1})
-            self._refusals.note(f"forged ({exc.reason})")
+            self._refusals.count(f"forged ({exc.reason})")
         else:
             self._parts.counts.add(corrupt=1)
-            self._refusals.note("corrupt or not the expected shape")
+            self._refusals.count("corrupt or not the expected shape")
 
     def read(self, texts: list[str], give_up: float, sink: Sink, bound: Bounds) -> None:
         """Hand `sink` each entry found, all within one timeout.
@@ -108,7 +109,17 @@ class Reader:
         transfer: measured on loopback, smaller transfers overlapped with verification, and
         concurrent transfers from one holder, were both slower (each call costs milliseconds,
         and verification competes with the transfer for the same cores).
+
+        Entries of the call that did not verify are logged together when it ends, every
+        kind with its count.
         """
+        try:
+            self._read(texts, give_up, sink, bound)
+        finally:
+            self._refusals.report()
+
+    def _read(self, texts: list[str], give_up: float, sink: Sink, bound: Bounds) -> None:
+        """`read`, but for the report of the entries it refused."""
         quarantine = self._parts.transport.quarantine
         if quarantine or time.monotonic() < self._grouped_until:
             grouped = self._group_by_holder(texts, give_up)

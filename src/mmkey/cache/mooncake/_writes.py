@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from mmkey._tensors import byte_view, host_ready, nbytes_of
 from mmkey.cache.mooncake._added import Added
 from mmkey.cache.mooncake._parts import CacheParts
+from mmkey.cache.mooncake._reserved import RESERVED_WAIT_S, Reservations, namespaces_of
 from mmkey.cache.mooncake._staging import Staging, aligned, registered, stage_entry
 from mmkey.cache.mooncake._transport import ALREADY_EXISTS, INVALID_PARAMS, RPC_FAILURES, Pending, out_of_time
 from mmkey.entry.codec import encode_entry_into, entry_header, entry_size
@@ -36,6 +37,8 @@ __all__ = ["Writer"]
 
 _PUT_CHUNK = 64 << 20
 """Payload bytes sealed and sent per multi-buffer put."""
+_RESERVED_POLLS = 10
+"""How many times a reserved key is looked at again within its wait."""
 
 
 def _as_added(stored: dict[str, bool]) -> dict[str, Added]:
@@ -75,8 +78,18 @@ def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, l
 class Writer:
     """Runs the writes of one `MooncakeCache` over its transport."""
 
-    def __init__(self, parts: CacheParts) -> None:
+    def __init__(
+        self,
+        parts: CacheParts,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        reserved_wait: float = RESERVED_WAIT_S,
+    ) -> None:
         self._parts = parts
+        self._clock = clock
+        self._sleep = sleep
+        self._reserved = Reservations(reserved_wait, clock)
         self._replicas: ReplicateConfig | None = None  # made on first write
         self._stuck: set[str] = set()
         """Keys of sessions this client could neither end nor revoke (Mooncake answers -601
@@ -196,7 +209,60 @@ class Writer:
     def add_from(self, latest: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, Added]:
         """Write payloads held in runs only under keys that no client holds or is writing
         (put sessions): straight from registered memory where every run lies in it, through
-        staging otherwise. A key left out of the answer was not written."""
+        staging otherwise. A key another client reserves but the store does not hold is
+        written over once its wait is over (`Added.RESERVED` if the call ends first). A key
+        left out of the answer was not written."""
+        added = self._add_once(latest, give_up)
+        reserved = {text: latest[text] for text, outcome in added.items() if outcome is Added.RESERVED}
+        if reserved:
+            added.update(self._settle_reserved(reserved, give_up))
+        self._reserved.forget(text for text, outcome in added.items() if outcome is not Added.RESERVED)
+        return added
+
+    def _settle_reserved(self, payloads: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, Added]:
+        """Keys another client's put session reserves while the store does not hold them:
+        looked at again until their wait is over (`Added.HELD` once the store holds one),
+        then upserted (this writer signs its own bytes), counted as ``squatted`` and logged.
+        The wait ends at half of what is left of the call (the rest is the upsert's); keys
+        whose wait is not over by then stay `Added.RESERVED`."""
+        outcome: dict[str, Added] = {}
+        texts = list(payloads)
+        due = self._reserved.due(texts)
+        budget = max(give_up - time.monotonic(), 0.0) / 2
+        stop = time.monotonic() + budget
+        step = self._reserved.wait / _RESERVED_POLLS
+        if due - self._clock() > budget:
+            return dict.fromkeys(texts, Added.RESERVED)
+        while texts and (left := due - self._clock()) > 0:
+            if time.monotonic() >= stop:  # the looks took the time
+                return {**outcome, **dict.fromkeys(texts, Added.RESERVED)}
+            self._sleep(min(step, left))
+            held = self._held(texts, give_up)
+            if held is None:
+                return {**outcome, **dict.fromkeys(texts, Added.FAILED)}
+            outcome.update(dict.fromkeys(held, Added.HELD))
+            texts = [text for text in texts if text not in held]
+        if not texts:
+            return outcome
+        written = self.write(texts, _joined({text: payloads[text] for text in texts}), give_up)
+        healed = [text for text in texts if written.get(text) is Added.STORED]
+        outcome.update({text: written.get(text, Added.FAILED) for text in texts})
+        if healed:
+            self._parts.squatted(len(healed), namespaces_of(healed), self._reserved.wait)
+        return outcome
+
+    def _held(self, texts: list[str], give_up: float) -> set[str] | None:
+        """Which of `texts` the store holds; None if the master did not answer."""
+        codes = self._parts.transport.meta(lambda store: store.batch_is_exist(texts), give_up)
+        if codes is None:
+            return None
+        if not RPC_FAILURES.isdisjoint(codes):
+            self._parts.transport.fail()
+            return None
+        return {text for text, code in zip(texts, codes, strict=False) if code == 1}
+
+    def _add_once(self, latest: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, Added]:
+        """One put-if-absent of every payload (`add_from` without the reserved keys' wait)."""
         direct: dict[str, list[torch.Tensor]] = {}
         staged: dict[str, list[torch.Tensor]] = {}
         for text, runs in latest.items():
@@ -328,6 +394,7 @@ class Writer:
             for key, code in zip(keys, starts, strict=False)  # keys left unanswered: not written
             if code != 0
         }
+        outcome.update(_reserved_or_held(store, [key for key, o in outcome.items() if o is Added.RESERVED]))
         opened = [i for i, code in enumerate(starts[: len(keys)]) if code == 0]
         stuck: set[str] = set()
         try:
@@ -448,11 +515,28 @@ def _joined(runs_of: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
 
 
 def _refused(code: int, stuck: bool) -> Added:
-    """What a refused session start means: `Added.HELD` where a client (this one too, on
-    another lane) holds or writes the key, else `Added.FAILED`."""
-    if code == ALREADY_EXISTS or (code == INVALID_PARAMS and not stuck):
+    """What a refused session start means: `Added.RESERVED` where the store holds the key or
+    another client reserves it (told apart by `_reserved_or_held`), `Added.HELD` where this
+    client writes it on another lane, else `Added.FAILED`."""
+    if code == ALREADY_EXISTS:
+        return Added.RESERVED
+    if code == INVALID_PARAMS and not stuck:
         return Added.HELD
     return Added.FAILED
+
+
+def _reserved_or_held(store: MooncakeDistributedStore, keys: list[str]) -> dict[str, Added]:
+    """Keys whose session start another client's session or entry refused: `Added.HELD`
+    where the store holds the key, `Added.RESERVED` where it does not (a write in progress,
+    or a squat), `Added.FAILED` where the master's answer says neither."""
+    if not keys:
+        return {}
+    codes = store.batch_is_exist(keys)
+    found = dict(zip(keys, codes, strict=False))
+    return {
+        key: Added.HELD if found.get(key) == 1 else Added.RESERVED if found.get(key) == 0 else Added.FAILED
+        for key in keys
+    }
 
 
 def _fill_sessions(

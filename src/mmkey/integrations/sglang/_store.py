@@ -205,6 +205,7 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             errors=inner.errors + c.get("failed", 0),
             forged=inner.forged,
             skipped=inner.skipped + c.get("rejected", 0) + c.get("kept", 0),
+            squatted=inner.squatted,
             unsigned=inner.unsigned,
             unknown_key=inner.unknown_key,
             expired=inner.expired,
@@ -357,12 +358,14 @@ class MMKeyEmbeddingStore(EmbeddingStore):
 
     def _add(self, plans: list[_Transfer]) -> list[bool]:
         """Write entries the store does not hold, unless another encoder writes one first
-        (kept: ``True``, counted); whether each is stored or kept."""
+        (kept: ``True``, counted); whether each is stored or kept. A key another client's
+        put session reserves but the store does not hold is ``False`` until the cache
+        writes over the reservation (`Added.RESERVED`: a squat, or a write in progress)."""
         cache = self._cache
         assert cache is not None
         added = cache.add_from([p.key for p in plans], [p.rows for p in plans])
         self._counts.add(kept=sum(outcome is Added.HELD for outcome in added))
-        return [outcome is not Added.FAILED for outcome in added]
+        return [outcome is Added.STORED or outcome is Added.HELD for outcome in added]
 
     def _replace(self, plans: list[_Transfer]) -> list[bool]:
         """Overwrite held entries that do not verify or fit; whether each is stored."""
