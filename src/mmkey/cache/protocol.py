@@ -172,7 +172,7 @@ class ClaimingCache(EmbeddingCache, Protocol):
         ...
 
     def release(self, keys: Sequence[CacheKey]) -> None:
-        """Give up the claims this cache won on `keys` (after inserting them, or on failure)."""
+        """Give up the claims this cache won on ``keys`` (after inserting them, or on failure)."""
         ...
 
     def wait_for_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
@@ -195,7 +195,7 @@ class AsyncClaimingCache(AsyncEmbeddingCache, Protocol):
         ...
 
     async def release(self, keys: Sequence[CacheKey]) -> None:
-        """Give up the claims this cache won on `keys`."""
+        """Give up the claims this cache won on ``keys``."""
         ...
 
     async def wait_for_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:

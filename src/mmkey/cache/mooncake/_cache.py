@@ -352,7 +352,7 @@ class MooncakeCache:
 
     def claim(self, keys: Sequence[CacheKey]) -> list[Claim]:
         """Claim each missed key before encoding it, so that of clients missing it at once one
-        encodes (see `mmkey.cache.mooncake._claims`); what each claim answered.
+        encodes (a put session on a lease key per key); what each claim answered.
 
         `Claim.WON`: encode it, insert it, then `release` it (also when the encode fails).
         `Claim.HELD`: another client, or another caller of this cache, is encoding it, or its
@@ -366,7 +366,7 @@ class MooncakeCache:
         return [answers[text] for text in texts]
 
     def release(self, keys: Sequence[CacheKey]) -> None:
-        """Give up this cache's claims on `keys` (keys it did not win are ignored); returns at
+        """Give up this cache's claims on ``keys`` (keys it did not win are ignored); returns at
         once, the store is told in the background."""
         self._claims.release(self._texts(keys, "release"))
 
