@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.cache.mooncake import MooncakeConfig
 from mmkey.cache.mooncake._claims import LEASE_SUFFIX, POLL_MAX_S, Claims, lease_key
-from mmkey.cache.protocol import Claim, ClaimingCache
+from mmkey.cache.protocol import CacheStats, Claim, ClaimingCache
 from mmkey.errors import InvalidKey
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
 from mmkey.testing.mooncake_master import MasterProcess
@@ -27,20 +28,34 @@ from tests._support import MiB, wait_until
 WAIT = 0.3
 
 
-@pytest.fixture(params=[pytest.param("real", marks=pytest.mark.mooncake), "fake"])
-def make(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """Makes caches (each a client of its own) on a real master or a fake one; closes them."""
-    made: list[MooncakeCache] = []
+@pytest.fixture(scope="module", params=[pytest.param("real", marks=pytest.mark.mooncake), "fake"])
+def pool(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """Caches on a real master or a fake one, kept for the module (a real cache's close stops
+    the process for a second or two): the n-th cache asked for with given settings is reused."""
+    made: dict[tuple[object, ...], MooncakeCache] = {}
     if request.param == "real":
         master: MasterProcess | FakeMooncakeMaster = request.getfixturevalue("mooncake_master_session")
         store_class = None
     else:
         master = FakeMooncakeMaster().__enter__()
         store_class = FakeMooncakeStore
+    yield {"master": master, "store_class": store_class, "made": made}
+    for c in made.values():
+        c.close()
+    if isinstance(master, FakeMooncakeMaster):
+        master.__exit__(None, None, None)
+
+
+@pytest.fixture
+def make(pool: dict[str, Any]) -> Any:
+    """Makes caches (each a client of its own): the first, second... of a test with given
+    settings are the module's first, second... with them (their stats carry over: compare
+    deltas)."""
+    used: Counter[tuple[object, ...]] = Counter()
 
     def cache(**overrides: Any) -> MooncakeCache:
         fields: dict[str, Any] = {
-            "master_server_address": master.address,
+            "master_server_address": pool["master"].address,
             "global_segment_size": 16 * MiB,
             "local_buffer_size": 4 * MiB,
             "timeout": 5.0,
@@ -48,14 +63,23 @@ def make(request: pytest.FixtureRequest) -> Iterator[Any]:
             "claim_wait": WAIT,
         }
         fields.update(overrides)
-        made.append(MooncakeCache(MooncakeConfig(**fields), keyring=None, store_class=store_class))
-        return made[-1]
+        settings = tuple(sorted(overrides.items()))
+        slot = (*settings, used[settings])
+        used[settings] += 1
+        if slot not in pool["made"]:
+            config = MooncakeConfig(**fields)
+            pool["made"][slot] = MooncakeCache(config, keyring=None, store_class=pool["store_class"])
+        made: MooncakeCache = pool["made"][slot]
+        return made
 
-    yield cache
-    for c in made:
-        c.close()
-    if isinstance(master, FakeMooncakeMaster):
-        master.__exit__(None, None, None)
+    return cache
+
+
+def delta(cache: ClaimingCache, before: CacheStats) -> dict[str, int]:
+    """The single-flight counters of `cache` since `before`."""
+    now = cache.stats()
+    names = ("claims_won", "waits_served", "waits_timed_out", "coalesced")
+    return {name: getattr(now, name) - getattr(before, name) for name in names}
 
 
 def fresh(n: int) -> list[EmbeddingKey]:
@@ -74,6 +98,7 @@ def test_a_lease_key_is_never_an_entry_key() -> None:
 def test_of_two_clients_one_wins_and_the_other_waits_for_the_entry(make: Any) -> None:
     a, b = make(), make()
     assert isinstance(a, ClaimingCache) and a.claim_wait == WAIT
+    a_before, b_before = a.stats(), b.stats()
     keys = fresh(3)
     assert a.claim(keys) == [Claim.WON] * 3
     assert b.claim(keys) == [Claim.HELD] * 3
@@ -87,9 +112,8 @@ def test_of_two_clients_one_wins_and_the_other_waits_for_the_entry(make: Any) ->
     assert got[1] is not None and torch.equal(got[1], value + 1)
     assert got[2] is None  # released unwritten: waited the bound, then encoded by the caller
     assert WAIT - 0.05 <= took < WAIT + 1.0
-    stats = b.stats()
-    assert (stats.waits_served, stats.waits_timed_out, stats.coalesced) == (2, 1, 2)
-    assert a.stats().claims_won == 3
+    assert delta(b, b_before) == {"claims_won": 0, "waits_served": 2, "waits_timed_out": 1, "coalesced": 2}
+    assert delta(a, a_before)["claims_won"] == 3
     # released: the key can be claimed again (the revoke runs on the metadata lane first)
     assert wait_until(lambda: b.claim(keys[2:]) == [Claim.WON], 5.0)
 
@@ -117,12 +141,13 @@ def test_callers_of_one_cache_coalesce_and_a_release_wakes_them(make: Any) -> No
 
 def test_a_won_key_whose_entry_landed_meanwhile_is_held_not_encoded(make: Any) -> None:
     a, b = make(), make()
+    before = a.stats()
     [k] = fresh(1)
     assert b.insert_batch([k], [torch.zeros(3)]) == [True]
     assert a.claim([k]) == [Claim.HELD]
     [got] = a.wait_for_embeddings([k])
     assert got is not None and torch.equal(got, torch.zeros(3))
-    assert a.stats().claims_won == 0
+    assert delta(a, before)["claims_won"] == 0
 
 
 def test_claims_off_answer_unclaimed_and_never_wait(make: Any) -> None:
@@ -152,11 +177,12 @@ def test_a_squatters_lease_costs_a_waiter_the_bound_and_counts_as_timed_out(make
         lambda store: store.batch_put_session_start([lease], [8]), time.monotonic() + 5
     )
     assert opened == [0]
+    before = a.stats()
     assert a.claim([k]) == [Claim.HELD]
     start = time.monotonic()
     assert a.wait_for_embeddings([k]) == [None]
     assert WAIT - 0.05 <= time.monotonic() - start < WAIT + 1.0
-    assert a.stats().waits_timed_out == 1
+    assert delta(a, before)["waits_timed_out"] == 1
 
 
 def test_a_lease_key_written_as_an_object_is_unclaimed_at_once(make: Any) -> None:
@@ -216,3 +242,48 @@ def test_a_wait_backs_off_and_never_passes_its_bound() -> None:
             assert max(clock.pauses) <= POLL_MAX_S + 1e-9
             looks = master.calls["batch_is_exist"]
             assert 90 <= looks <= 110  # a few ms apart, backing off to 10 ms: about 100 looks a second
+
+
+def test_a_dead_claimants_lease_is_claimable_again_once_the_master_discards_it() -> None:
+    with FakeMooncakeMaster(put_start_discard_timeout_s=0.5) as master:
+
+        def cache(segment: int = 16 * MiB) -> MooncakeCache:
+            config = MooncakeConfig(
+                master_server_address=master.address,
+                global_segment_size=segment,
+                local_buffer_size=4 * MiB,
+                claim_wait=0.2,
+            )
+            return MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore)
+
+        [k] = fresh(1)
+        with cache() as holder, cache() as other:
+            dying = cache(segment=0)  # a pure client: its lease's room is on a holder that stays
+            assert dying.claim([k]) == [Claim.WON]
+            dying.close()  # dies holding the lease: nothing revokes it
+            assert lease_key(k.to_key()) in master.reserved()
+            assert other.claim([k]) == [Claim.HELD]
+            assert other.wait_for_embeddings([k]) == [None]  # the bound, then the caller encodes
+            time.sleep(0.6)
+            assert other.claim([k]) == [Claim.WON]  # the master discarded the dead one's lease
+            other.release([k])
+            assert wait_until(lambda: lease_key(k.to_key()) not in master.reserved(), 5.0)
+            assert holder.claim([k]) == [Claim.WON]
+            holder.release([k])
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_claim_wait_must_be_finite_and_not_negative(value: float) -> None:
+    with pytest.raises(ValueError, match="claim_wait"):
+        MooncakeConfig(master_server_address="127.0.0.1:50051", claim_wait=value)
+
+
+def test_claim_wait_defaults_to_two_seconds_and_reads_mmkey_claim_wait() -> None:
+    assert MooncakeConfig(master_server_address="127.0.0.1:50051").claim_wait == 2.0
+    with pytest.raises(TypeError, match="claim_wait"):
+        MooncakeConfig(master_server_address="127.0.0.1:50051", claim_wait=True)
+    env = {"MOONCAKE_MASTER": "127.0.0.1:50051", "MMKEY_CLAIM_WAIT": "0.75"}
+    assert MooncakeConfig.from_env(env).claim_wait == 0.75
+    assert MooncakeConfig.from_env({**env, "MMKEY_CLAIM_WAIT": "0"}).claim_wait == 0.0
+    with pytest.raises(ValueError, match="MMKEY_CLAIM_WAIT"):
+        MooncakeConfig.from_env({**env, "MMKEY_CLAIM_WAIT": "soon"})
