@@ -1,12 +1,14 @@
 """One serving process of the single-flight tests: encodes a burst of images through
 `encode_with_cache` on a `MooncakeCache` (a pure client of a fleet), at a moment the test sets.
 
-Run as ``python single_flight_worker.py SPEC_JSON``. The spec names the master, the images
-(`images` of them, the same in every worker), the seconds the encoder sleeps per image, the
-claim bound, a folder where the worker says it is ready (``ready-<name>``) and waits for
-``go``, and a file where the encoder appends one line per image it encodes (before sleeping),
-so that a test can count encodes across processes and kill a worker mid-encode. Prints one
-JSON line: whether every embedding equals the no-cache output, the report and the stats.
+Run as ``python single_flight_worker.py SPEC_JSON``, or `run` in a process forked from a
+server that imported this module (the tests: torch is imported once, not once per worker).
+The spec names the master, the images (`images` of them, the same in every worker), the
+seconds the encoder sleeps per image, the claim bound, a folder where the worker says it is
+ready (``ready-<name>``) and waits for ``go``, and a file where the encoder appends one line
+per image it encodes (before sleeping), so that a test can count encodes across processes and
+kill a worker mid-encode. Answers (one JSON line, or on the queue) whether every embedding
+equals the no-cache output, the report and the stats.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         "waits_served": stats.waits_served,
         "waits_timed_out": stats.waits_timed_out,
     }
+
+
+def run(spec: dict[str, Any], results: Any) -> None:
+    """`main`, its answer put on the `results` queue."""
+    results.put(main(spec))
 
 
 if __name__ == "__main__":

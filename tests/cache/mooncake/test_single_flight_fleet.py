@@ -5,11 +5,9 @@ a squatter holding lease sessions costs a waiter the bound, and outputs stay rig
 
 from __future__ import annotations
 
-import json
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -27,12 +25,11 @@ from mmkey.keys import EmbeddingKey
 from mmkey.testing.fleet import Fleet, running_fleet
 from mmkey.testing.pytest_plugin import _require_fleet
 from tests._support import raw_client, wait_until
+from tests.cache.mooncake import single_flight_worker
 from tests.cache.mooncake.single_flight_worker import images, reference
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.slow]
 
-WORKER = Path(__file__).with_name("single_flight_worker.py")
-ROOT = Path(__file__).resolve().parents[3]
 WORKERS = 4
 IMAGES = 16
 SLACK = 1.5
@@ -46,7 +43,24 @@ def fleet() -> Iterator[Fleet]:
         yield f
 
 
-def spawn(fleet: Fleet, tmp: Path, name: str, namespace: str, **spec: Any) -> subprocess.Popen[str]:
+_PRELOAD = [
+    "torch",
+    "mmkey.encoder",
+    "mmkey.cache.mooncake._cache",
+    "tests.cache.mooncake.single_flight_worker",
+]
+
+
+@pytest.fixture(scope="module")
+def context() -> Any:
+    """Workers forked from a server that imported torch and mmkey once (an import of torch
+    costs seconds of CPU per process); none of them has touched a store before the fork."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def spawn(context: Any, fleet: Fleet, tmp: Path, name: str, namespace: str, **spec: Any) -> tuple[Any, Any]:
     fields = {
         "master": fleet.master.address,
         "host": fleet.client_host,
@@ -59,18 +73,10 @@ def spawn(fleet: Fleet, tmp: Path, name: str, namespace: str, **spec: Any) -> su
         "encodes": str(tmp / "encodes.txt"),
         **spec,
     }
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-        "MC_LOG_LEVEL": "ERROR",
-    }
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), json.dumps(fields)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    results = context.Queue()
+    proc = context.Process(target=single_flight_worker.run, args=(fields, results), daemon=True)
+    proc.start()
+    return proc, results
 
 
 def encodes(tmp: Path) -> Counter[int]:
@@ -79,23 +85,26 @@ def encodes(tmp: Path) -> Counter[int]:
     return Counter(int(line.split()[1]) for line in lines if line)
 
 
-def finish(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+def finish(worker: tuple[Any, Any]) -> dict[str, Any]:
+    proc, results = worker
+    result: dict[str, Any] = results.get(timeout=120)
+    proc.join(30)
+    assert proc.exitcode == 0
     return result
 
 
-def test_four_processes_asked_the_same_images_at_once_encode_each_once(fleet: Fleet, tmp_path: Path) -> None:
+def test_four_processes_asked_the_same_images_at_once_encode_each_once(
+    context: Any, fleet: Fleet, tmp_path: Path
+) -> None:
     namespace = f"flight-{uuid.uuid4().hex[:8]}"
-    procs = [spawn(fleet, tmp_path, f"w{i}", namespace) for i in range(WORKERS)]
+    procs = [spawn(context, fleet, tmp_path, f"w{i}", namespace) for i in range(WORKERS)]
     try:
         assert wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == WORKERS, 90.0)
         (tmp_path / "go").touch()  # the barrier: every worker is set up, all start now
         results = [finish(p) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
+        for p, _ in procs:
+            if p.is_alive():
                 p.kill()
     counted = encodes(tmp_path)
     assert sorted(counted) == list(range(IMAGES)) and set(counted.values()) == {1}, counted
@@ -105,11 +114,13 @@ def test_four_processes_asked_the_same_images_at_once_encode_each_once(fleet: Fl
     assert sum(r["coalesced"] + r["hits"] for r in results) == (WORKERS - 1) * IMAGES
 
 
-def test_a_claimant_killed_mid_encode_costs_the_others_the_bound(fleet: Fleet, tmp_path: Path) -> None:
+def test_a_claimant_killed_mid_encode_costs_the_others_the_bound(
+    context: Any, fleet: Fleet, tmp_path: Path
+) -> None:
     namespace = f"flight-{uuid.uuid4().hex[:8]}"
     bound = 1.0
     (tmp_path / "go").touch()
-    claimant = spawn(fleet, tmp_path, "claimant", namespace, encode_s=60.0)
+    claimant, _ = spawn(context, fleet, tmp_path, "claimant", namespace, encode_s=60.0)
     try:
         assert wait_until(lambda: sum(encodes(tmp_path).values()) == IMAGES, 90.0)  # claimed, encoding
         config = fleet.client_config(timeout=5.0, claim_wait=bound)
@@ -133,9 +144,9 @@ def test_a_claimant_killed_mid_encode_costs_the_others_the_bound(fleet: Fleet, t
             assert later.report.hits == IMAGES and sorted(encoded) == list(range(IMAGES))
             assert all(torch.equal(e, reference(f)) for e, f in zip(later.embeddings, burst, strict=True))
     finally:
-        if claimant.poll() is None:
+        if claimant.is_alive():
             claimant.kill()
-        claimant.wait(30)
+        claimant.join(30)
 
 
 def test_a_squatter_on_lease_keys_costs_waiters_the_bound_and_no_wrong_output(fleet: Fleet) -> None:
