@@ -182,3 +182,33 @@ def test_callers_of_one_cache_in_one_process_encode_each_item_once() -> None:
             want = model(features, None)
             assert all(torch.equal(a, b) for got in results for a, b in zip(got, want, strict=True))
             assert cache.stats().claims_won == 6
+
+
+def test_two_async_servers_on_two_clients_encode_each_item_once() -> None:
+    features = burst(4)
+    encoded: list[int] = []
+
+    async def encode(fs: list[torch.Tensor], grid: object) -> list[torch.Tensor]:
+        encoded.extend(int(f[0, 0].item()) for f in fs)
+        await asyncio.sleep(0.05)  # the other server claims meanwhile, and finds the keys held
+        return model(fs, grid)
+
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(master_server_address=master.address, local_buffer_size=4 * MiB, timeout=5.0)
+        with (
+            MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore) as one,
+            MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore) as two,
+        ):
+
+            async def both() -> list[list[torch.Tensor]]:
+                calls = [
+                    aencode_with_cache_report(features, encode=encode, cache=AsyncCache(c), namespace=NS)
+                    for c in (one, two)
+                ]
+                return [r.embeddings for r in await asyncio.gather(*calls)]
+
+            results = asyncio.run(both())
+            assert sorted(encoded) == list(range(4))
+            want = model(features, None)
+            assert all(torch.equal(a, b) for got in results for a, b in zip(got, want, strict=True))
+            assert one.stats().claims_won + two.stats().claims_won == 4
