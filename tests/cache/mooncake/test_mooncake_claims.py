@@ -22,7 +22,8 @@ from mmkey.cache.mooncake._claims import LEASE_SUFFIX, POLL_MAX_S, Claims, lease
 from mmkey.cache.protocol import CacheStats, Claim, ClaimingCache
 from mmkey.errors import InvalidKey
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
-from mmkey.testing.mooncake_master import MasterProcess
+from mmkey.testing.mooncake_master import MasterProcess, running_master
+from mmkey.testing.pytest_plugin import _require_master
 from tests._support import MiB, wait_until
 
 WAIT = 0.3
@@ -287,3 +288,29 @@ def test_claim_wait_defaults_to_two_seconds_and_reads_mmkey_claim_wait() -> None
     assert MooncakeConfig.from_env({**env, "MMKEY_CLAIM_WAIT": "0"}).claim_wait == 0.0
     with pytest.raises(ValueError, match="MMKEY_CLAIM_WAIT"):
         MooncakeConfig.from_env({**env, "MMKEY_CLAIM_WAIT": "soon"})
+
+
+@pytest.mark.mooncake
+def test_on_a_real_master_a_dead_claimants_lease_is_claimable_after_the_discard_time() -> None:
+    _require_master()
+    with running_master(extra_args=("--put_start_discard_timeout_sec=2",)) as master:
+
+        def cache(segment: int = 16 * MiB) -> MooncakeCache:
+            config = MooncakeConfig(
+                master_server_address=master.address,
+                global_segment_size=segment,
+                local_buffer_size=4 * MiB,
+                timeout=5.0,
+                claim_wait=0.2,
+            )
+            return MooncakeCache(config, keyring=None)
+
+        [k] = fresh(1)
+        with cache() as other:
+            dying = cache(segment=0)  # a pure client: its lease's room is on the other's segment
+            assert dying.claim([k]) == [Claim.WON]
+            dying.close()  # its sessions are not revoked: the lease stays reserved
+            assert other.claim([k]) == [Claim.HELD]
+            assert other.wait_for_embeddings([k]) == [None]
+            assert wait_until(lambda: other.claim([k]) == [Claim.WON], 10.0)  # discarded after 2 s
+            other.release([k])
