@@ -112,7 +112,7 @@ def test_of_two_clients_one_wins_and_the_other_waits_for_the_entry(make: Any) ->
     assert got[0] is not None and torch.equal(got[0], value)
     assert got[1] is not None and torch.equal(got[1], value + 1)
     assert got[2] is None  # released unwritten: waited the bound, then encoded by the caller
-    assert WAIT - 0.05 <= took < WAIT + 1.0
+    assert WAIT - 0.05 <= took < WAIT + 1.5
     assert delta(b, b_before) == {"claims_won": 0, "waits_served": 2, "waits_timed_out": 1, "coalesced": 2}
     assert delta(a, a_before)["claims_won"] == 3
     # released: the key can be claimed again (the revoke runs on the metadata lane first)
@@ -182,7 +182,7 @@ def test_a_squatters_lease_costs_a_waiter_the_bound_and_counts_as_timed_out(make
     assert a.claim([k]) == [Claim.HELD]
     start = time.monotonic()
     assert a.wait_for_embeddings([k]) == [None]
-    assert WAIT - 0.05 <= time.monotonic() - start < WAIT + 1.0
+    assert WAIT - 0.05 <= time.monotonic() - start < WAIT + 1.5
     assert delta(a, before)["waits_timed_out"] == 1
 
 

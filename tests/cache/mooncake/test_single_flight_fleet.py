@@ -97,7 +97,9 @@ def test_four_processes_asked_the_same_images_at_once_encode_each_once(
     context: Any, fleet: Fleet, tmp_path: Path
 ) -> None:
     namespace = f"flight-{uuid.uuid4().hex[:8]}"
-    procs = [spawn(context, fleet, tmp_path, f"w{i}", namespace) for i in range(WORKERS)]
+    # a bound far above a claimant's encode and insert, also on a crowded host (an insert there
+    # took up to 1.6 s, measured): what is tested is that nobody else encodes, not the bound
+    procs = [spawn(context, fleet, tmp_path, f"w{i}", namespace, claim_wait=10.0) for i in range(WORKERS)]
     try:
         assert wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == WORKERS, 90.0)
         (tmp_path / "go").touch()  # the barrier: every worker is set up, all start now
@@ -136,7 +138,9 @@ def test_a_claimant_killed_mid_encode_costs_the_others_the_bound(
             start = time.monotonic()
             first = encode_with_cache_report(burst, encode=encode, cache=a, namespace=namespace)
             took = time.monotonic() - start
-            assert bound - 0.05 <= took < bound + SLACK
+            # the claim and the wait; the encode and insert after it are the caller's own
+            assert bound - 0.05 <= first.report.wait_seconds < bound + SLACK
+            assert took < bound + 2 * SLACK
             assert first.report.encoded == IMAGES and a.stats().waits_timed_out == IMAGES
             assert all(torch.equal(e, reference(f)) for e, f in zip(first.embeddings, burst, strict=True))
             # a later reader gets the valid entries the waiter wrote
@@ -165,7 +169,8 @@ def test_a_squatter_on_lease_keys_costs_waiters_the_bound_and_no_wrong_output(fl
                     burst, encode=lambda fs, _: [reference(f) for f in fs], cache=cache, namespace=namespace
                 )
                 took = time.monotonic() - start
-                assert bound - 0.05 <= took < bound + SLACK
+                assert bound - 0.05 <= result.report.wait_seconds < bound + SLACK
+                assert took < bound + 2 * SLACK
                 assert result.report.encoded == 4 and result.report.coalesced == 0
                 assert all(
                     torch.equal(e, reference(f)) for e, f in zip(result.embeddings, burst, strict=True)
