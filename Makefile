@@ -242,6 +242,7 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/bench_hash.py
 	$(BIN)/python benchmarks/bench_cache.py
 	$(BIN)/python benchmarks/bench_mooncake.py
+	MC_LOG_LEVEL=ERROR $(BIN)/python benchmarks/bench_single_flight.py
 
 bench-sglang: $(SGLANG_READY)
 	MC_LOG_LEVEL=ERROR $(SGLANG_VENV)/bin/python benchmarks/bench_sglang.py

@@ -3,7 +3,8 @@
 `MeteredCache` wraps a cache, is itself an `EmbeddingCache`, and times every call into a
 latency histogram per operation. At each scrape it also exports the wrapped cache's
 `CacheStats` counters (hits, misses, inserts, evictions, corrupt, forged and its reasons,
-errors, skipped, squatted, unsigned_served, oversized), what it holds where it knows
+errors, skipped, squatted, unsigned_served, oversized, and the single-flight counters
+claims_won, waits_served, waits_timed_out and coalesced), what it holds where it knows
 (``bytes_held``, ``entries``), and, for caches that report
 `CacheHealth` (a remote store's client), breaker state and quarantined holders::
 
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mmkey.cache._guard import sync_cache
 from mmkey.cache.health import CacheHealth, health_of
-from mmkey.cache.protocol import CacheStats, EmbeddingCache
+from mmkey.cache.protocol import CacheStats, Claim, ClaimingCache, EmbeddingCache
 from mmkey.keys import CacheKey
 
 try:
@@ -89,6 +90,10 @@ COUNTERS: dict[str, str] = {
     "bad_mac": "Of forged: entries whose MAC, header, key or size did not verify.",
     "unsigned_served": "Entries without a MAC served during a migration window.",
     "oversized": "Entries left unread for being larger than the reader could use.",
+    "claims_won": "Keys claimed before encoding them (single-flight).",
+    "waits_served": "Keys claimed elsewhere whose entry landed within the wait bound.",
+    "waits_timed_out": "Keys claimed elsewhere whose entry did not land within the wait bound.",
+    "coalesced": "Keys served by another claimant's encode after a wait (encodes saved).",
 }
 """The `CacheStats` counters exported as ``mmkey_cache_<name>_total``, with their help text."""
 
@@ -276,6 +281,28 @@ class MeteredCache:
     def prefetch(self, keys: Sequence[CacheKey]) -> int:
         """The wrapped cache's answer, timed."""
         return self._timed("prefetch", len(keys), lambda: self._cache.prefetch(keys))
+
+    @property
+    def claim_wait(self) -> float:
+        """The wrapped cache's ``claim_wait`` where it supports claims, else 0.0 (off)."""
+        inner = self._cache
+        return inner.claim_wait if isinstance(inner, ClaimingCache) else 0.0
+
+    def claim(self, keys: Sequence[CacheKey]) -> list[Claim]:
+        """The wrapped cache's claims (`Claim.UNCLAIMED` for each key where it has none)."""
+        inner = self._cache
+        return inner.claim(keys) if isinstance(inner, ClaimingCache) else [Claim.UNCLAIMED] * len(keys)
+
+    def release(self, keys: Sequence[CacheKey]) -> None:
+        """Release the wrapped cache's claims of the keys."""
+        inner = self._cache
+        if isinstance(inner, ClaimingCache):
+            inner.release(keys)
+
+    def wait_for_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """The wrapped cache's bounded wait for keys claimed elsewhere."""
+        inner = self._cache
+        return inner.wait_for_embeddings(keys) if isinstance(inner, ClaimingCache) else [None] * len(keys)
 
     def stats(self) -> CacheStats:
         """The wrapped cache's stats."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mmkey._tensors import HostReady, host_ready
 from mmkey.cache._guard import sync_cache
-from mmkey.cache.protocol import CacheStats, EmbeddingCache
+from mmkey.cache.protocol import CacheStats, Claim, ClaimingCache, EmbeddingCache
 from mmkey.errors import StoreClosed
 from mmkey.keys import CacheKey
 
@@ -158,6 +158,33 @@ class AsyncCache:
     async def prefetch(self, keys: Sequence[CacheKey]) -> int:
         """Bring the keys as close as the cache can; how many are now held nearby."""
         return await self._run(self._cache.prefetch, _snapshot(keys))
+
+    @property
+    def claim_wait(self) -> float:
+        """The wrapped cache's ``claim_wait`` where it supports claims, else 0.0 (off)."""
+        inner = self._cache
+        return inner.claim_wait if isinstance(inner, ClaimingCache) else 0.0
+
+    async def claim(self, keys: Sequence[CacheKey]) -> list[Claim]:
+        """The wrapped cache's claims (`Claim.UNCLAIMED` for each key where it has none)."""
+        inner = self._cache
+        if not isinstance(inner, ClaimingCache):
+            return [Claim.UNCLAIMED] * len(keys)
+        return await self._run(inner.claim, _snapshot(keys))
+
+    async def release(self, keys: Sequence[CacheKey]) -> None:
+        """Release the wrapped cache's claims of the keys."""
+        inner = self._cache
+        if isinstance(inner, ClaimingCache):
+            await self._run(inner.release, _snapshot(keys))
+
+    async def wait_for_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """The wrapped cache's bounded wait for keys claimed elsewhere, in a worker thread (it
+        holds that thread for up to ``claim_wait`` seconds: size ``executor`` for the waits)."""
+        inner = self._cache
+        if not isinstance(inner, ClaimingCache):
+            return [None] * len(keys)
+        return await self._run(inner.wait_for_embeddings, _snapshot(keys))
 
     def stats(self) -> CacheStats:
         """A snapshot of the wrapped cache's counters, read directly (stats are cheap)."""

@@ -1,7 +1,9 @@
-"""The strict cache protocol every embedding cache implements, sync and async."""
+"""The strict cache protocol every embedding cache implements, sync and async, and the
+claims (single-flight) that a shared cache may add to it."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -12,7 +14,14 @@ from mmkey.keys import CacheKey
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AsyncEmbeddingCache", "CacheStats", "EmbeddingCache"]
+__all__ = [
+    "AsyncClaimingCache",
+    "AsyncEmbeddingCache",
+    "CacheStats",
+    "Claim",
+    "ClaimingCache",
+    "EmbeddingCache",
+]
 
 
 @attrs.frozen(slots=True)
@@ -54,6 +63,16 @@ class CacheStats:
     oversized: int = 0
     """Entries left unread for being larger than the reader could use (of `forged` under a
     keyring, of `corrupt` without one)."""
+    claims_won: int = 0
+    """Keys this cache claimed before encoding them (single-flight): no other claimant
+    encoded them meanwhile."""
+    waits_served: int = 0
+    """Keys claimed elsewhere whose entry landed within the wait bound."""
+    waits_timed_out: int = 0
+    """Keys claimed elsewhere whose entry did not land within the wait bound (the claimant
+    died or squats, the encode is slower than the bound, or the store failed): encoded here."""
+    coalesced: int = 0
+    """Keys served by another claimant's encode after a wait: encodes saved by single-flight."""
     bytes_held: int | None = None
     """Encoded bytes this cache holds, or ``None`` where it cannot know: a client of a remote
     store, whose entries live in other processes, says so instead of reporting 0."""
@@ -126,4 +145,63 @@ class AsyncEmbeddingCache(Protocol):
 
     async def close(self) -> None:
         """Release the cache; any later call raises `StoreClosed`. Idempotent."""
+        ...
+
+
+class Claim(enum.Enum):
+    """What `ClaimingCache.claim` answered for one key."""
+
+    WON = "won"
+    """This caller holds the key's claim: encode it, insert it, then `ClaimingCache.release` it
+    (also when the encode fails)."""
+    HELD = "held"
+    """Another claimant (another process, or another caller of this cache) is encoding the key:
+    `ClaimingCache.wait_for_embeddings` waits for its entry, bounded."""
+    UNCLAIMED = "unclaimed"
+    """No claim either way (claims are off, or the store did not answer): encode it."""
+
+
+@runtime_checkable
+class ClaimingCache(EmbeddingCache, Protocol):
+    """An `EmbeddingCache` whose clients can claim a key before encoding it, so that of many
+    clients missing one key at once, one encodes and the others wait for its entry (bounded)."""
+
+    @property
+    def claim_wait(self) -> float:
+        """Seconds `wait_for_embeddings` waits at most; 0.0 when claims are off."""
+        ...
+
+    def claim(self, keys: Sequence[CacheKey]) -> list[Claim]:
+        """Claim each key before encoding it; what each claim answered, in order."""
+        ...
+
+    def release(self, keys: Sequence[CacheKey]) -> None:
+        """Give up the claims this cache won on ``keys`` (after inserting them, or on failure)."""
+        ...
+
+    def wait_for_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """Wait at most `claim_wait` seconds for the entries of keys claimed elsewhere; the
+        verified embedding of each that landed, or None (encode it), in order."""
+        ...
+
+
+@runtime_checkable
+class AsyncClaimingCache(AsyncEmbeddingCache, Protocol):
+    """The asyncio counterpart of `ClaimingCache`."""
+
+    @property
+    def claim_wait(self) -> float:
+        """Seconds `wait_for_embeddings` waits at most; 0.0 when claims are off."""
+        ...
+
+    async def claim(self, keys: Sequence[CacheKey]) -> list[Claim]:
+        """Claim each key before encoding it; what each claim answered, in order."""
+        ...
+
+    async def release(self, keys: Sequence[CacheKey]) -> None:
+        """Give up the claims this cache won on ``keys``."""
+        ...
+
+    async def wait_for_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """Wait, bounded, for the entries of keys claimed elsewhere; each verified embedding or None."""
         ...

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mmkey.cache._guard import insert_args, key_texts, sync_cache
 from mmkey.cache.health import CacheHealth, health_of
-from mmkey.cache.protocol import CacheStats, EmbeddingCache
+from mmkey.cache.protocol import CacheStats, Claim, ClaimingCache, EmbeddingCache
 from mmkey.errors import StoreClosed, StoreError
 from mmkey.keys import CacheKey
 
@@ -193,6 +193,49 @@ class TieredCache:
         _, promoted = self._read_far([keys[i] for i in far], [texts[i] for i in far])
         return sum(near) + promoted
 
+    # -- single-flight: the far tier's claims ---------------------------------------------
+
+    @property
+    def claim_wait(self) -> float:
+        """`l2`'s ``claim_wait`` where it supports claims (`ClaimingCache`), else 0.0 (off)."""
+        far = self.l2
+        return far.claim_wait if isinstance(far, ClaimingCache) else 0.0
+
+    def claim(self, keys: Sequence[CacheKey]) -> list[Claim]:
+        """`l2`'s claims of the keys (`Claim.UNCLAIMED` where it has none, or fails)."""
+        self._check_open()
+        key_texts(keys, "claim")
+        keys, far = list(keys), self.l2
+        unclaimed = [Claim.UNCLAIMED] * len(keys)
+        if not isinstance(far, ClaimingCache):
+            return unclaimed
+        return self._per_key(lambda: far.claim(keys), unclaimed)
+
+    def release(self, keys: Sequence[CacheKey]) -> None:
+        """Release `l2`'s claims of the keys."""
+        self._check_open()
+        key_texts(keys, "release")
+        keys, far = list(keys), self.l2
+        if isinstance(far, ClaimingCache):
+            self._tier(lambda: far.release(keys), None)
+
+    def wait_for_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """`l2`'s wait for keys claimed elsewhere; what landed is promoted into `l1`."""
+        self._check_open()
+        key_texts(keys, "wait_for_embeddings")
+        keys, far = list(keys), self.l2
+        if not isinstance(far, ClaimingCache):
+            return _misses(len(keys))
+        found = self._per_key(lambda: far.wait_for_embeddings(keys), _misses(len(keys)))
+        landed = [(k, v) for k, v in zip(keys, found, strict=True) if v is not None]
+        if landed:
+            with self._near_writes.writing([k.to_key() for k, _ in landed]):
+                self._per_key(
+                    lambda: self.l1.insert_batch([k for k, _ in landed], [v for _, v in landed]),
+                    _refused(len(landed)),
+                )
+        return found
+
     def _read_far(self, keys: list[CacheKey], texts: list[str]) -> tuple[list[torch.Tensor | None], int]:
         """`l2`'s answer for `keys`, its hits promoted into `l1`; how many promotions held.
 
@@ -246,6 +289,10 @@ class TieredCache:
                 bad_mac=s1.bad_mac + s2.bad_mac,
                 unsigned_served=s1.unsigned_served + s2.unsigned_served,
                 oversized=s1.oversized + s2.oversized,
+                claims_won=s1.claims_won + s2.claims_won,
+                waits_served=s1.waits_served + s2.waits_served,
+                waits_timed_out=s1.waits_timed_out + s2.waits_timed_out,
+                coalesced=s1.coalesced + s2.coalesced,
                 bytes_held=_known_sum(s1.bytes_held, s2.bytes_held),
                 entries=_known_sum(s1.entries, s2.entries),
             )

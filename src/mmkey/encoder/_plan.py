@@ -1,8 +1,9 @@
 """The I/O-free core of a cache-aware encode, shared by the sync and async drivers.
 
 A plan hashes the items, de-duplicates them by key, and takes the results of each cache
-call in turn (`take_exists`, `take_embeddings`, `take_encoded`, `take_inserted`). A cache
-call that raised is passed in as `FAILED`: it is counted and logged, never re-raised.
+call in turn (`take_exists`, `take_embeddings`, `take_claims`, `take_encoded`,
+`take_inserted`, `take_waited`). A cache call that raised is passed in as `FAILED`: it is
+counted and logged, never re-raised.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from mmkey.cache.protocol import Claim
 from mmkey.digest import HashScheme, Modality
 from mmkey.encoder.items import Features, GridTHW, Items, digests_of, split_items
 from mmkey.encoder.report import EncodeReport, EncodeResult
@@ -75,6 +77,10 @@ class EncodePlan:
         self.found: list[torch.Tensor | None] = [None] * len(slots)
         self.fetching: list[int] = []
         self.encoding: list[int] = []
+        self.encoded: list[int] = []  # every slot encoded, over both rounds
+        self.won: list[int] = []  # slots claimed by this call and not yet released
+        self.held: list[int] = []  # slots another claimant is encoding: waited for
+        self.coalesced = 0
         self.stale = 0
         self.cache_errors = 0
         self.inserted = 0
@@ -83,6 +89,7 @@ class EncodePlan:
         self.lookup_seconds = 0.0
         self.encode_seconds = 0.0
         self.insert_seconds = 0.0
+        self.wait_seconds = 0.0
 
     @classmethod
     def build(
@@ -154,9 +161,41 @@ class EncodePlan:
                 self.stale += 1
 
     def collect_misses(self) -> int:
-        """Settle which distinct items still need the encoder; how many."""
-        self.encoding = [s for s, v in enumerate(self.found) if v is None]
+        """Settle which distinct items still need the encoder (not those waited for); how many."""
+        held = set(self.held)
+        self.encoding = [s for s, v in enumerate(self.found) if v is None and s not in held]
         return len(self.encoding)
+
+    def miss_keys(self) -> list[EmbeddingKey]:
+        """The keys of the items `collect_misses` settled on."""
+        return [self.unique_keys[s] for s in self.encoding]
+
+    def take_claims(self, result: object) -> None:
+        """Take ``claim``'s answer for `miss_keys`: the won are encoded (and released), the
+        held waited for; an unanswered claim encodes everything."""
+        answers = self._checked("claim", result, len(self.encoding), Claim)
+        if answers is None:
+            return
+        self.won = [s for s, a in zip(self.encoding, answers, strict=True) if a is Claim.WON]
+        self.held = [s for s, a in zip(self.encoding, answers, strict=True) if a is Claim.HELD]
+        self.collect_misses()
+
+    def won_keys(self) -> list[EmbeddingKey]:
+        """The keys this call claimed and has not released yet."""
+        return [self.unique_keys[s] for s in self.won]
+
+    def held_keys(self) -> list[EmbeddingKey]:
+        """The keys another claimant is encoding."""
+        return [self.unique_keys[s] for s in self.held]
+
+    def take_waited(self, result: object) -> None:
+        """Take ``wait_for_embeddings``' answer for `held_keys`; what did not land is encoded."""
+        values = self._checked("wait_for_embeddings", result, len(self.held), (torch.Tensor, type(None)))
+        for slot, value in zip(self.held, values or [], strict=True):
+            if isinstance(value, torch.Tensor):
+                self.found[slot] = value
+                self.coalesced += 1
+        self.held = []
 
     def encode_inputs(self) -> tuple[Any, torch.Tensor | None]:
         """The features and grids of the missed items, in the request's layout."""
@@ -188,6 +227,7 @@ class EncodePlan:
         embeddings = _check_encoder_output(output, len(self.encoding))
         for slot, embedding in zip(self.encoding, embeddings, strict=True):
             self.found[slot] = embedding
+        self.encoded.extend(self.encoding)
         return [self.unique_keys[s] for s in self.encoding], embeddings
 
     def take_inserted(self, result: object) -> None:
@@ -202,7 +242,7 @@ class EncodePlan:
         """The requested device; else the encoder's (first output); else the features'."""
         if self.device is not None:
             return self.device
-        for slot in self.encoding:
+        for slot in self.encoded:
             encoded = self.found[slot]
             if encoded is not None:
                 return encoded.device
@@ -219,8 +259,9 @@ class EncodePlan:
         report = EncodeReport(
             items=len(self.items),
             unique=len(self.unique_keys),
-            hits=len(self.unique_keys) - len(self.encoding),
-            encoded=len(self.encoding),
+            hits=len(self.unique_keys) - len(self.encoded) - self.coalesced,
+            encoded=len(self.encoded),
+            coalesced=self.coalesced,
             stale=self.stale,
             cache_errors=self.cache_errors,
             inserted=self.inserted,
@@ -230,6 +271,7 @@ class EncodePlan:
             lookup_seconds=self.lookup_seconds,
             encode_seconds=self.encode_seconds,
             insert_seconds=self.insert_seconds,
+            wait_seconds=self.wait_seconds,
         )
         return EncodeResult([e for e in embeddings if e is not None], self.keys, report)
 

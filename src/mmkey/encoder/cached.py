@@ -5,6 +5,13 @@ Each request is hashed per item, de-duplicated by key, looked up with
 held but did not return) go to ``encode`` in one call and are inserted; the embeddings
 come back one per item, in input order. A failing cache never fails the encode: its
 errors are logged, counted in `EncodeReport.cache_errors`, and the items are encoded.
+
+Single-flight, with a cache that supports claims (`ClaimingCache`, e.g. `MooncakeCache`):
+the misses are claimed together before encoding; the won ones (and any the cache could not
+claim) are encoded in one call, inserted and released; the ones another claimant is encoding
+are then waited for (bounded by the cache's ``claim_wait``) and read; what still misses is
+encoded in a second call. Won keys are encoded before any wait, so two calls that each won
+what the other waits for never wait on each other.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any, TypeAlias, TypeVar, overload
 import torch
 
 from mmkey._tensors import HostReady, host_ready
-from mmkey.cache.protocol import AsyncEmbeddingCache, EmbeddingCache
+from mmkey.cache.protocol import AsyncClaimingCache, AsyncEmbeddingCache, ClaimingCache, EmbeddingCache
 from mmkey.digest import HashScheme, Modality
 from mmkey.encoder._plan import FAILED, Device, EncodePlan
 from mmkey.encoder.items import Features, GridTHW
@@ -116,7 +123,7 @@ def _encode(
     plan = EncodePlan.build(
         feature, grid_thw, namespace=namespace, modality=modality, scheme=scheme, device=device
     )
-    steps = _steps(plan, cached=cache is not None)
+    steps = _steps(plan, cached=cache is not None, claiming=_claims_on(cache, ClaimingCache))
     result: object = None
     try:
         while True:
@@ -128,13 +135,33 @@ def _encode(
     except StopIteration as done:
         finished: EncodeResult = done.value
         return finished
+    finally:
+        if plan.won and isinstance(cache, ClaimingCache):  # a step raised: never keep a claim
+            _call(plan, "release", cache.release, plan.won_keys())
 
 
-def _steps(plan: EncodePlan, *, cached: bool) -> Generator[tuple[str, tuple[Any, ...]], object, EncodeResult]:
+def _claims_on(cache: object, protocol: type[ClaimingCache] | type[AsyncClaimingCache]) -> bool:
+    """Whether `cache` supports claims (`protocol`) and has them on (``claim_wait`` > 0)."""
+    if cache is None or not isinstance(cache, protocol):
+        return False
+    try:
+        wait: object = cache.claim_wait
+    except Exception:  # a cache is an optimisation: no claims, never a failed encode
+        return False
+    return isinstance(wait, (int, float)) and not isinstance(wait, bool) and wait > 0
+
+
+_Steps: TypeAlias = Generator[tuple[str, tuple[Any, ...]], object, EncodeResult]
+
+
+def _steps(plan: EncodePlan, *, cached: bool, claiming: bool = False) -> _Steps:
     """The encode path without I/O, shared by the sync and async drivers.
 
     Yields ``(operation, args)``: a cache method name or ``"encode"``; the driver runs it
-    and sends back its result (`FAILED` for a cache call that raised).
+    and sends back its result (`FAILED` for a cache call that raised). With `claiming`, the
+    misses are claimed first, won keys encoded and released, held ones waited for, and what
+    is still missing encoded (see the module). A driver releases `EncodePlan.won` if a step
+    raises.
     """
     if not plan.unique_keys:
         return plan.result()
@@ -144,15 +171,34 @@ def _steps(plan: EncodePlan, *, cached: bool) -> Generator[tuple[str, tuple[Any,
         if wanted:
             plan.take_embeddings((yield "get_embeddings", (wanted,)))
         plan.lookup_seconds += time.perf_counter() - start
-    if plan.collect_misses():
+    if plan.collect_misses() and claiming:
         start = time.perf_counter()
-        keys, embeddings = plan.take_encoded((yield "encode", plan.encode_inputs()))
-        plan.encode_seconds += time.perf_counter() - start
-        if cached:
-            start = time.perf_counter()
-            plan.take_inserted((yield "insert_batch", (keys, embeddings)))
-            plan.insert_seconds += time.perf_counter() - start
+        plan.take_claims((yield "claim", (plan.miss_keys(),)))
+        plan.wait_seconds += time.perf_counter() - start
+    yield from _encode_misses(plan, cached=cached)
+    if plan.won:
+        won, plan.won = plan.won_keys(), []
+        yield "release", (won,)
+    if plan.held:
+        start = time.perf_counter()
+        plan.take_waited((yield "wait_for_embeddings", (plan.held_keys(),)))
+        plan.wait_seconds += time.perf_counter() - start
+        plan.collect_misses()
+        yield from _encode_misses(plan, cached=cached)
     return plan.result()
+
+
+def _encode_misses(plan: EncodePlan, *, cached: bool) -> Generator[tuple[str, tuple[Any, ...]], object, None]:
+    """Encode the items `EncodePlan.collect_misses` settled on, and insert them."""
+    if not plan.encoding:
+        return
+    start = time.perf_counter()
+    keys, embeddings = plan.take_encoded((yield "encode", plan.encode_inputs()))
+    plan.encode_seconds += time.perf_counter() - start
+    if cached:
+        start = time.perf_counter()
+        plan.take_inserted((yield "insert_batch", (keys, embeddings)))
+        plan.insert_seconds += time.perf_counter() - start
 
 
 @overload
@@ -317,7 +363,7 @@ async def _aencode(
         plan = await asyncio.to_thread(_when_ready, ready, build)
     else:
         plan = build()
-    steps = _steps(plan, cached=cache is not None)
+    steps = _steps(plan, cached=cache is not None, claiming=_claims_on(cache, AsyncClaimingCache))
     result: object = None
     try:
         while True:
@@ -331,6 +377,9 @@ async def _aencode(
     except StopIteration as done:
         finished: EncodeResult = done.value
         return finished
+    finally:
+        if plan.won and isinstance(cache, AsyncClaimingCache):  # a step raised: never keep a claim
+            await _acall(plan, "release", cache.release, plan.won_keys())
 
 
 @overload

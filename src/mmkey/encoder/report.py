@@ -26,6 +26,9 @@ class EncodeReport:
     """Distinct items served from the cache."""
     encoded: int = 0
     """Distinct items passed to the encoder."""
+    coalesced: int = 0
+    """Distinct items another claimant encoded while this call waited (single-flight): encodes
+    saved. Not counted in `hits`."""
     stale: int = 0
     """Items the cache said it held but then did not return (evicted, corrupt): encoded."""
     cache_errors: int = 0
@@ -44,6 +47,8 @@ class EncodeReport:
     """Time spent in the encoder."""
     insert_seconds: float = 0.0
     """Time spent in ``insert_batch``."""
+    wait_seconds: float = 0.0
+    """Time spent claiming misses and waiting for items claimed elsewhere."""
 
     @property
     def duplicates(self) -> int:
@@ -52,7 +57,7 @@ class EncodeReport:
 
     @property
     def saved(self) -> int:
-        """Items not sent to the encoder, thanks to the cache or to de-duplication."""
+        """Items not sent to the encoder, thanks to the cache, single-flight or de-duplication."""
         return self.items - self.encoded
 
     @property

@@ -1,10 +1,11 @@
 """Markers of the Mooncake client's tests: the ones that must not be crowded are `serial`.
 
 `test_mooncake_load.py` loads the whole host on purpose (`mmkey.testing.busy_host`, staging up
-to 1 GiB), and the fleet tests' holders must keep their heartbeats to the master while one of
-them is paused (on a host crowded at the same priority a healthy holder's segment was dropped
-too). `make test` runs them after the parallel pass, at normal CPU priority while the other
-lane runs niced, so that lane only gets the CPU these tests leave."""
+to 1 GiB), the fleet tests' holders must keep their heartbeats to the master while one of them
+is paused (on a host crowded at the same priority a healthy holder's segment was dropped too),
+and the single-flight fleet tests time waits across processes. `make test` runs them after the
+parallel pass, at normal CPU priority while the other lane runs niced, so that lane only gets
+the CPU these tests leave."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 
 from tests._marks import mark_modules
 
-_SERIAL_MODULES = frozenset({"test_mooncake_load.py", "test_mooncake_fleet.py"})
+_SERIAL_MODULES = frozenset(
+    {"test_mooncake_load.py", "test_mooncake_fleet.py", "test_single_flight_fleet.py"}
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

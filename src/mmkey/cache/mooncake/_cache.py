@@ -10,7 +10,7 @@ timeout, behind a breaker, and calls the binding's GIL-holding ``setup``/``close
 right after the master answered; staging (`mmkey.cache.mooncake._staging`) moves entries
 through registered buffers (``batch_upsert_from``, ``batch_get_into``), not Python bytes copies.
 Which transfers a read makes is `mmkey.cache.mooncake._reads`; how entries are written is
-`mmkey.cache.mooncake._writes`.
+`mmkey.cache.mooncake._writes`; single-flight claims, `mmkey.cache.mooncake._claims`.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from mmkey._tensors import nbytes_of
 from mmkey.cache._guard import insert_args, key_texts
 from mmkey.cache.health import CacheHealth
 from mmkey.cache.mooncake._added import Added
+from mmkey.cache.mooncake._claims import Claims
 from mmkey.cache.mooncake._parts import LOG, CacheParts
 from mmkey.cache.mooncake._reads import Reader
 from mmkey.cache.mooncake._transport import RPC_FAILURES, StoreTransport
 from mmkey.cache.mooncake._writes import Writer
 from mmkey.cache.mooncake.config import MooncakeConfig
-from mmkey.cache.protocol import CacheStats
+from mmkey.cache.protocol import CacheStats, Claim
 from mmkey.entry.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
 from mmkey.entry.codec import (
     encode_entry,
@@ -116,6 +117,7 @@ class MooncakeCache:
         self._parts = CacheParts(self._transport, config, self._keyring, self._counts)
         self._reader = Reader(self._parts)
         self._writer = Writer(self._parts)
+        self._claims = Claims(self._parts)
         self._told_untrusted = False
         give_up = time.monotonic() + config.setup_timeout
         self._warm_codec()
@@ -345,6 +347,55 @@ class MooncakeCache:
         added = self._writer.add_from(latest, self._give_up()) if latest else {}
         self._counts.add(inserts=sum(outcome is Added.STORED for outcome in added.values()))
         return [added.get(text, Added.FAILED) for text in texts]
+
+    # -- single-flight claims (the ClaimingCache protocol) ------------------------------------
+
+    @property
+    def claim_wait(self) -> float:
+        """``config.claim_wait``: how long `wait_for_embeddings` waits at most (0.0: claims off)."""
+        return self._config.claim_wait
+
+    def claim(self, keys: Sequence[CacheKey]) -> list[Claim]:
+        """Claim each missed key before encoding it, so that of clients missing it at once one
+        encodes (a put session on a lease key per key); what each claim answered.
+
+        `Claim.WON`: encode it, insert it, then `release` it (also when the encode fails).
+        `Claim.HELD`: another client, or another caller of this cache, is encoding it, or its
+        entry landed since the caller looked: `wait_for_embeddings`. `Claim.UNCLAIMED`: claims
+        are off (``claim_wait`` 0) or the store did not answer within the timeout: encode it.
+        """
+        texts = self._texts(keys, "claim")
+        if not texts or self._config.claim_wait == 0:
+            return [Claim.UNCLAIMED] * len(texts)
+        answers = self._claims.claim(texts, self._give_up())
+        return [answers[text] for text in texts]
+
+    def release(self, keys: Sequence[CacheKey]) -> None:
+        """Give up this cache's claims on ``keys`` (keys it did not win are ignored); returns at
+        once, the store is told in the background."""
+        self._claims.release(self._texts(keys, "release"))
+
+    def wait_for_embeddings(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """Wait at most ``claim_wait`` seconds for the entries of keys claimed elsewhere, then
+        read those that landed (the normal verified read); each embedding, or None (encode it).
+
+        Counted: ``waits_served`` (landed), ``waits_timed_out`` (not landed within the bound, or
+        the store stopped answering), ``coalesced`` (read and verified: an encode saved).
+        """
+        texts = self._texts(keys, "wait_for_embeddings")
+        wait = self._config.claim_wait
+        if not texts or wait == 0:
+            return [None] * len(texts)
+        landed = self._claims.wait(texts, wait)
+        unique = set(texts)
+        wanted = [key for key, text in zip(keys, texts, strict=True) if text in landed]
+        read = dict(zip((k.to_key() for k in wanted), self.get_embeddings(wanted), strict=True))
+        self._counts.add(
+            waits_served=len(landed),
+            waits_timed_out=len(unique) - len(landed),
+            coalesced=sum(read.get(text) is not None for text in unique),
+        )
+        return [read.get(text) for text in texts]
 
     def prefetch(self, keys: Sequence[CacheKey]) -> int:
         """How many of the keys the store holds (a remote store has no nearer tier)."""

@@ -90,6 +90,13 @@ def _seconds(_: object, attribute: attrs.Attribute[float], value: Any) -> None:
         raise ValueError(f"MooncakeConfig.{attribute.name} must be finite and > 0, got {value!r}")
 
 
+def _wait_seconds(_: object, attribute: attrs.Attribute[float], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"MooncakeConfig.{attribute.name} must be seconds (a float), got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"MooncakeConfig.{attribute.name} must be finite and >= 0 (0: off), got {value!r}")
+
+
 def _text(_: object, attribute: attrs.Attribute[str], value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"MooncakeConfig.{attribute.name} must be str, got {value!r}")
@@ -175,6 +182,10 @@ class MooncakeConfig:
     """The largest entry `MooncakeCache.get_embeddings` fetches (``MMKEY_MAX_ENTRY_SIZE``);
     a larger value under a key is a miss, counted as oversized, and is not transferred.
     `read_into` fetches no more than its targets can take."""
+    claim_wait: float = attrs.field(default=2.0, validator=_wait_seconds)
+    """Single-flight (``MMKEY_CLAIM_WAIT``): the longest a miss waits for a key another client
+    claimed (is encoding) before encoding it itself, in seconds; 0 turns claims off. Near the
+    encoder's p99 time per request: a claimant that dies or never writes costs a waiter this."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> MooncakeConfig:
@@ -184,7 +195,7 @@ class MooncakeConfig:
         ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_TENANT_ID``,
         and ``MOONCAKE_REPLICA_NUM`` (the name Mooncake's deployment scripts use; the binding
         itself reads no variable for it); and mmkey's ``MMKEY_TRUSTED_NETWORK`` (0 or 1) and
-        ``MMKEY_MAX_ENTRY_SIZE``. Keyword overrides win."""
+        ``MMKEY_MAX_ENTRY_SIZE`` and ``MMKEY_CLAIM_WAIT`` (seconds). Keyword overrides win."""
         env = os.environ if environ is None else environ
         fields: dict[str, Any] = {}
         path = env.get("MOONCAKE_CONFIG_PATH")
@@ -210,6 +221,8 @@ class MooncakeConfig:
         for name in ("global_segment_size", "local_buffer_size", "max_entry_size"):
             if name in fields:
                 fields[name] = parse_size(fields[name], name)
+        if isinstance(fields.get("claim_wait"), str):
+            fields["claim_wait"] = _parse_seconds(fields["claim_wait"], "MMKEY_CLAIM_WAIT")
         if "replica_num" in fields:
             fields["replica_num"] = parse_replica_num(fields["replica_num"])
         return cls(**fields)
@@ -241,6 +254,7 @@ _ENV_FIELDS = {
 _MMKEY_FIELDS = {
     "MMKEY_TRUSTED_NETWORK": "trusted_network",
     "MMKEY_MAX_ENTRY_SIZE": "max_entry_size",
+    "MMKEY_CLAIM_WAIT": "claim_wait",
 }
 """mmkey's own settings of a Mooncake cache (not Mooncake's: never in its config file)."""
 _FILE_FIELDS = frozenset(_ENV_FIELDS.values())
@@ -258,6 +272,14 @@ def read_json_config(path: str, variable: str = "MOONCAKE_CONFIG_PATH") -> dict[
     if not isinstance(data, dict):
         raise ValueError(f"{variable}={path!r}: expected a JSON object")
     return data
+
+
+def _parse_seconds(text: str, variable: str) -> float:
+    """Seconds from a variable's text; `ValueError` naming the variable."""
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError(f"{variable} must be seconds such as 2 or 0.5 (0: off), got {text!r}") from None
 
 
 def parse_replica_num(value: object) -> object:
