@@ -85,14 +85,7 @@ def main() -> int:
     ):
         root = Path(tmp)
         try:
-            stand_in = (
-                e2e.write_stand_in(root, "sglang-kernel is not installed here")
-                if kernel == "absent"
-                else None
-            )
-            (root / "entry.key").write_text(os.urandom(32).hex())
-            (root / "entry.key").chmod(0o600)
-            model = e2e.build_model(root)
+            stand_in, model = e2e.prepare(root, kernel)
             env = e2e.server_env(root, fleet.master.address, "cpu", stand_in)
             theirs = {k: v for k, v in env.items() if not k.startswith("MMKEY_")}
             ours = dict(env, MMKEY_NAMESPACE=e2e.NAMESPACE)

@@ -706,6 +706,17 @@ def held(name: str, seen: dict[str, Any]) -> bool:
     return False
 
 
+def prepare(root: Path, kernel: str) -> tuple[Path | None, Path]:
+    """What every server of a run shares, under ``root``: the ``sgl_kernel`` stand-in where
+    ``kernel`` is ``absent`` (its folder, else ``None``), the fleet's entry secret file
+    (``entry.key``, 0600) and the tiny model (its folder)."""
+    stand_in = write_stand_in(root, "sglang-kernel is not installed here") if kernel == "absent" else None
+    secret = root / "entry.key"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    return stand_in, build_model(root)
+
+
 def server_env(root: Path, master: str, device: str, stand_in: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -756,13 +767,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         root = Path(tmp)
         try:
-            stand_in = None
-            if kernel == "absent":
-                stand_in = write_stand_in(root, "sglang-kernel is not installed here (a CPU run)")
+            stand_in, model = prepare(root, kernel)
+            if stand_in is not None:
                 seen["sgl_kernel"] = "stand-in (written here: sglang-kernel is not installed)"
-            (root / "entry.key").write_text(os.urandom(32).hex())
-            (root / "entry.key").chmod(0o600)
-            model = build_model(root)
             if args.setup_only:
                 seen.update(ok=True, setup_only=True, master=fleet.master.is_ready())
                 print(json.dumps(seen))

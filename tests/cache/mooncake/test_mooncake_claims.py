@@ -265,8 +265,8 @@ def test_a_dead_claimants_lease_is_claimable_again_once_the_master_discards_it()
             assert lease_key(k.to_key()) in master.reserved()
             assert other.claim([k]) == [Claim.HELD]
             assert other.wait_for_embeddings([k]) == [None]  # the bound, then the caller encodes
-            time.sleep(0.6)
-            assert other.claim([k]) == [Claim.WON]  # the master discarded the dead one's lease
+            # the master discards the dead one's lease after its discard time: then it is won
+            assert wait_until(lambda: other.claim([k]) == [Claim.WON], 5.0)
             other.release([k])
             assert wait_until(lambda: lease_key(k.to_key()) not in master.reserved(), 5.0)
             assert holder.claim([k]) == [Claim.WON]

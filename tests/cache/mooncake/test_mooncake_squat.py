@@ -21,7 +21,7 @@ from mmkey.cache.mooncake._reserved import RESERVED_WAIT_S, Reservations
 from mmkey.cache.mooncake._writes import Writer
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
 from mmkey.testing.mooncake_master import MasterProcess
-from tests._support import ROOMY_TIMEOUT, MiB, local_config, raw_client
+from tests._support import ROOMY_TIMEOUT, MiB, local_config, raw_client, wait_until
 
 if TYPE_CHECKING:
     from mooncake.store import MooncakeDistributedStore
@@ -104,8 +104,9 @@ def test_a_renewing_squatter_is_written_over_counted_and_warned_once(
                 break
             time.sleep(RENEW_S)
         assert outcomes == [Added.STORED] * VICTIMS  # each written over the squat
-        time.sleep(3 * RENEW_S)  # the squatter keeps renewing: it cannot take them back
-        assert squatter.renewals > 0
+        renewed = squatter.renewals
+        # the squatter keeps renewing: it cannot take them back
+        assert wait_until(lambda: squatter.renewals > renewed, 30 * RENEW_S)
         assert cache.add_from(victims, payloads) == [Added.HELD] * VICTIMS
         got = cache.get_embeddings(victims)
         assert all(g is not None and torch.equal(g, p) for g, p in zip(got, payloads, strict=True))
