@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # an interpreter's start imports no typing machinery for this
     from importlib.machinery import ModuleSpec
     from types import ModuleType
 
-__all__ = ["SGLANG_BACKEND_MODULE", "UnguardedBackend", "install", "opted_in", "refusal"]
+__all__ = ["SGLANG_BACKEND_MODULE", "UnguardedBackend", "install", "installed", "opted_in", "refusal"]
 
 SGLANG_BACKEND_MODULE = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_embedding_store"
 """SGLang's own Mooncake embedding store: no namespace, no checksum, no MAC."""
@@ -82,7 +82,13 @@ class _Guard:
         return None
 
 
+def installed() -> bool:
+    """Whether the guard is on ``sys.meta_path`` in this interpreter."""
+    return any(isinstance(finder, _Guard) for finder in sys.meta_path)
+
+
 def install() -> None:
-    """Put the guard first on ``sys.meta_path`` (once)."""
-    if not any(isinstance(finder, _Guard) for finder in sys.meta_path):
+    """Put the guard first on ``sys.meta_path`` (once); for interpreters whose start runs no
+    ``.pth`` file of mmkey's, call it from ``sitecustomize`` or the launcher."""
+    if not installed():
         sys.meta_path.insert(0, _Guard())

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+import _mmkey_sglang_guard
 from tests.integrations.sglang.sglang_support import require_sglang
 
 require_sglang()
@@ -67,6 +68,8 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
     monkeypatch.setenv("MMKEY_NAMESPACE", "plugin-model")
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
     monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:1")  # never reached: construction refuses first
+    # what the .pth does at an opted-in interpreter's start (this one started without the switch)
+    _mmkey_sglang_guard.install()
     yield monkeypatch
 
 
@@ -107,6 +110,72 @@ def test_switch_makes_the_mooncake_backend_name_create_mmkeys_store(
         assert store.namespace == "plugin-model"
     finally:
         store.close()  # type: ignore[attr-defined]
+
+
+def test_opted_in_without_the_guard_on_the_import_system_the_store_refuses_to_start(
+    fresh_loader: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    guardless = [finder for finder in sys.meta_path if not isinstance(finder, _mmkey_sglang_guard._Guard)]
+    fresh_loader.setattr(sys, "meta_path", guardless)
+    assert not _mmkey_sglang_guard.installed()
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    plugins.load_plugins()
+    assert module_of("mooncake") == "mmkey.integrations.sglang"  # registered, yet refuses
+    with pytest.raises(SGLangConfigError, match="mmkey-sglang-guard.pth is not on sys.meta_path") as refused:
+        EmbeddingStoreFactory.create_backend("mooncake")
+    assert "_mmkey_sglang_guard.install()" in str(refused.value)  # the fix, spelt out
+    _mmkey_sglang_guard.install()  # the guard put in place at the start: the refusal goes
+    assert integration.guard_problems() == []
+
+
+GUARDLESS_START = """
+import json, sys
+import sglang.srt.plugins as plugins
+from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
+import _mmkey_sglang_guard
+report = {"guard": _mmkey_sglang_guard.installed(), "no_site": sys.flags.no_site}
+plugins.load_plugins()
+try:
+    EmbeddingStoreFactory.create_backend("mooncake")
+except Exception as exc:
+    report["refused"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(report))
+"""
+
+
+def guardless_layout(tmp_path: Path, layout: str) -> tuple[list[str], dict[str, str]]:
+    """An opted-in interpreter that starts with no ``.pth`` of mmkey's run: ``-S`` in this
+    environment, or a PYTHONPATH-only layout (a bare virtual environment with this one's
+    site-packages and mmkey's source named on ``PYTHONPATH``, whose ``.pth`` files Python never
+    runs), as ``pip install --target`` leaves it."""
+    site_packages = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "sglang").is_dir())
+    env = {**os.environ, BACKEND_ENV: "1", "MMKEY_NAMESPACE": "guardless", "MOONCAKE_PROTOCOL": "tcp"}
+    env.update(MOONCAKE_MASTER="127.0.0.1:1", SGLANG_PLUGINS="mmkey")
+    source = str(Path(integration.__file__).resolve().parents[3])  # the tree mmkey runs from
+    if layout == "python -S":
+        env["PYTHONPATH"] = os.pathsep.join([source, site_packages])
+        return [sys.executable, "-S", "-c", GUARDLESS_START], env
+    bare = tmp_path / "bare"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120, env=env
+    )
+    env["PYTHONPATH"] = os.pathsep.join([source, site_packages])
+    return [str(bare / "bin" / "python"), "-c", GUARDLESS_START], env
+
+
+@pytest.mark.parametrize("layout", ["python -S", "PYTHONPATH only"])
+def test_an_opted_in_interpreter_that_started_without_the_guard_refuses_with_the_fix(
+    tmp_path: Path, layout: str
+) -> None:
+    command, env = guardless_layout(tmp_path, layout)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["guard"] is False
+    assert report["no_site"] == (1 if layout == "python -S" else 0)
+    assert "SGLangConfigError" in report["refused"]
+    assert "mmkey-sglang-guard.pth is not on sys.meta_path" in report["refused"]
+    assert "pip install, not --target" in report["refused"]
 
 
 @pytest.mark.parametrize(

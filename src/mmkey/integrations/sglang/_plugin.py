@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
+from _mmkey_sglang_guard import installed
 from mmkey.digest import HashScheme
 from mmkey.integrations.sglang._settings import (
     BACKEND_ENV,
@@ -29,7 +30,14 @@ from mmkey.integrations.sglang._settings import (
 )
 from mmkey.integrations.sglang._spawn import check_coverage, cover_spawned_encoders
 
-__all__ = ["BACKEND_NAME", "plugin_errors", "refuse_on_plugin_errors", "register_plugin", "registered"]
+__all__ = [
+    "BACKEND_NAME",
+    "guard_problems",
+    "plugin_errors",
+    "refuse_on_plugin_errors",
+    "register_plugin",
+    "registered",
+]
 
 BACKEND_NAME = "mmkey"
 """The backend name this store is registered under besides ``mooncake``."""
@@ -55,7 +63,25 @@ def plugin_errors() -> list[str]:
     errors, and the encoder processes it could not cover (empty when it did not opt in)."""
     if _plugin_errors is None:
         return []
-    return [*_plugin_errors, *check_coverage()]
+    return [*_plugin_errors, *check_coverage(), *guard_problems()]
+
+
+def guard_problems() -> list[str]:
+    """The missing guard, where this opted-in interpreter started without it on
+    ``sys.meta_path``: the processes such a layout starts without mmkey's plugin would build
+    SGLang's own backend unchallenged."""
+    if installed():
+        return []
+    return [
+        f"the guard of mmkey-sglang-guard.pth is not on sys.meta_path: Python runs .pth files "
+        f"only from a site directory at the interpreter's start with {BACKEND_ENV} already set, "
+        "so with pip install --target, a PYTHONPATH-only layout, a zipapp, python -S or the "
+        "switch set after the start, a process SGLang starts without mmkey's plugin builds "
+        "SGLang's unverified backend: install mmkey into the environment's site-packages "
+        f"(pip install, not --target), set {BACKEND_ENV} before Python starts and drop -S, or "
+        "run 'import _mmkey_sglang_guard; _mmkey_sglang_guard.install()' at the interpreter's "
+        "start (sitecustomize.py, or the launcher's first line)"
+    ]
 
 
 def refuse_on_plugin_errors() -> None:
