@@ -550,6 +550,7 @@ def running_fleet(
     netns: bool = False,
     timeout: float = 15.0,
     client_ttl: int | None = None,
+    master_args: Sequence[str] = (),
 ) -> Iterator[Fleet]:
     """Run a master and ``holders`` holder processes for the duration of the ``with`` block.
 
@@ -557,7 +558,8 @@ def running_fleet(
     in a network namespace of its own (see `netns_unavailable_reason`). ``client_ttl`` is how
     many seconds the master keeps a holder (or client) that stopped answering its pings before
     it drops its segment (``mooncake_master --client_ttl``; ``None``: the master's own 10 s):
-    a shorter one shortens tests that wait for a killed holder to be dropped. Everything
+    a shorter one shortens tests that wait for a killed holder to be dropped. ``master_args``
+    are more of the master's flags (e.g. ``--put_start_discard_timeout_sec=2``). Everything
     started is stopped by PID and every namespace removed on exit, also when the block raises.
     """
     count: object = holders
@@ -579,7 +581,7 @@ def running_fleet(
     try:
         network = _TestNetwork() if netns else None
         host = network.host_address if network is not None else HOST
-        extra_args = () if client_ttl is None else (f"--client_ttl={client_ttl}",)
+        extra_args = (*(() if client_ttl is None else (f"--client_ttl={client_ttl}",)), *master_args)
         with running_master(timeout=timeout, host=host, extra_args=extra_args) as master:
 
             def make_holder(index: int) -> HolderProcess:

@@ -20,6 +20,7 @@ import torch
 
 from mmkey import MooncakeCache
 from mmkey.cache.mooncake._claims import lease_key
+from mmkey.cache.protocol import Claim
 from mmkey.encoder import encode_with_cache_report
 from mmkey.keys import EmbeddingKey
 from mmkey.testing.fleet import Fleet, running_fleet
@@ -179,6 +180,42 @@ def test_a_squatter_on_lease_keys_costs_waiters_the_bound_and_no_wrong_output(fl
                 assert (stats.waits_timed_out, stats.claims_won, stats.coalesced) == (4, 0, 0)
         finally:
             squatter.batch_put_session_revoke(leases)
+
+
+DISCARD_S = 3
+"""The master's ``put_start_discard_timeout_sec`` in the discard test (30 s by default)."""
+
+
+def test_nothing_a_killed_claimant_reserved_is_left_past_the_masters_discard_time(
+    context: Any, tmp_path: Path
+) -> None:
+    _require_fleet()
+    namespace = f"flight-{uuid.uuid4().hex[:8]}"
+    keys = _keys(namespace, images(IMAGES))
+    with running_fleet(holders=1, master_args=(f"--put_start_discard_timeout_sec={DISCARD_S}",)) as short:
+        (tmp_path / "go").touch()
+        claimant, _ = spawn(context, short, tmp_path, "claimant", namespace, encode_s=60.0)
+        try:
+            assert wait_until(lambda: sum(encodes(tmp_path).values()) == IMAGES, 90.0)  # claimed, encoding
+            os.kill(claimant.pid, signal.SIGKILL)
+            claimant.join(30)
+        finally:
+            if claimant.is_alive():
+                claimant.kill()
+        with MooncakeCache(short.client_config(timeout=5.0, claim_wait=0.5), keyring=None) as cache:
+            # the dead claimant's leases are still reserved: another client is told to wait
+            assert cache.claim(keys) == [Claim.HELD] * IMAGES
+
+            def all_free() -> bool:
+                claims = cache.claim(keys)
+                cache.release([k for k, c in zip(keys, claims, strict=True) if c is Claim.WON])
+                return claims == [Claim.WON] * IMAGES
+
+            # once the master discarded them, every key can be claimed again: nothing is left
+            assert wait_until(all_free, DISCARD_S + 3 * SLACK + 5.0, poll=0.25)
+        with raw_client(short.client_config()) as raw:
+            leases = [lease_key(k.to_key()) for k in keys]
+            assert raw.batch_is_exist(leases) == [0] * IMAGES  # no lease was ever written
 
 
 def _keys(namespace: str, burst: list[torch.Tensor]) -> list[EmbeddingKey]:
