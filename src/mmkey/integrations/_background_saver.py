@@ -167,6 +167,8 @@ class BackgroundSaver:
             n_skipped = len(skipped)
             batch.clear()
             skipped.clear()  # release the tensors before anyone is told they are written
+            if self._on_done is not None:  # before a flush that waits for them returns
+                self._on_done(texts)
             with self._cond:
                 self._saved += ok
                 self._failed += len(batch_texts) - ok
@@ -175,8 +177,6 @@ class BackgroundSaver:
                 self._pending_bytes -= nbytes
                 self._busy = False
                 self._cond.notify_all()
-            if self._on_done is not None:
-                self._on_done(texts)
 
     def _without_existing(self, batch: list[_Job]) -> tuple[list[_Job], list[_Job]]:
         """Split `batch` into (to write, already stored); a failed check writes them all."""
