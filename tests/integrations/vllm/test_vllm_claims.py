@@ -36,11 +36,12 @@ from mmkey.cache.protocol import Claim  # noqa: E402
 from mmkey.integrations.vllm import MMKeyECConnector, MMKeyECMetadata  # noqa: E402
 from mmkey.integrations.vllm._metadata import MMKeyECWorkerMetadata  # noqa: E402
 from mmkey.integrations.vllm._settings import content_digest  # noqa: E402
-from mmkey.integrations.vllm._staging import Staged  # noqa: E402
+from mmkey.integrations.vllm._staging import Staged, Stager  # noqa: E402
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
 if TYPE_CHECKING:
+    from vllm.config import ECRole, VllmConfig
     from vllm.v1.request import Request
 
 HIDDEN = 32
@@ -98,8 +99,8 @@ def store_fields(address: str, **overrides: Any) -> dict[str, Any]:
     return fields
 
 
-def config(address: str, role: str = "ec_both", **overrides: Any) -> Any:
-    return vllm_config(role, namespace="single-flight", mooncake=store_fields(address, **overrides))  # type: ignore[arg-type]
+def config(address: str, role: ECRole = "ec_both", **overrides: Any) -> VllmConfig:
+    return vllm_config(role, namespace="single-flight", mooncake=store_fields(address, **overrides))
 
 
 def pixels(seed: int) -> torch.Tensor:
@@ -140,7 +141,9 @@ def step(sched: MMKeyECConnector, req: Request) -> bool:
     return available
 
 
-def steps_until_available(sched: MMKeyECConnector, clock: StepClock, req: Request, *, limit_s: float) -> float:
+def steps_until_available(
+    sched: MMKeyECConnector, clock: StepClock, req: Request, *, limit_s: float
+) -> float:
     """Step `req` (the clock moving `STEP_S` a step) until it is available; the time it waited."""
     start = clock.now
     while not step(sched, req):
@@ -175,7 +178,9 @@ def encode_and_save(
     report = worker.build_connector_worker_meta()
     worker.clear_connector_metadata()
     sched.request_finished(req)
-    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=pickle.loads(pickle.dumps(report))))
+    sched.update_connector_output(
+        ECConnectorOutput(ec_connector_worker_meta=pickle.loads(pickle.dumps(report)))
+    )
 
 
 def lease_gone(master: FakeMooncakeMaster, key: EmbeddingKey) -> bool:
@@ -237,7 +242,9 @@ def test_past_the_bound_a_held_item_is_encoded_here_and_counted_timed_out(
             assert b.ensure_cache_available(b_req, 0)  # never deferred again
             b.update_state_after_alloc(b_req, 0)
             meta = b.build_connector_meta(SchedulerOutput.make_empty())
-            assert isinstance(meta, MMKeyECMetadata) and meta.saves == {"img-2": key}  # encoded and saved here
+            assert isinstance(meta, MMKeyECMetadata) and meta.saves == {
+                "img-2": key
+            }  # encoded and saved here
             totals = b.totals()
             assert totals["waits_timed_out"] == 1 and totals["waited_out"] == 1
             assert "waits_served" not in totals and "claims_won" not in totals
@@ -330,7 +337,9 @@ def test_a_request_keeps_a_claim_below_the_key_it_waits_for(
         other.release([key_of(pixels(large))])
 
 
-def test_a_consumer_and_a_cache_without_claims_never_claim(clock: StepClock, fake_master: FakeMooncakeMaster) -> None:
+def test_a_consumer_and_a_cache_without_claims_never_claim(
+    clock: StepClock, fake_master: FakeMooncakeMaster
+) -> None:
     for cfg in (config(fake_master.address, "ec_consumer"), config(fake_master.address, claim_wait=0)):
         with connector(cfg, "scheduler") as sched:
             req = image_request("r", [9])
@@ -352,7 +361,9 @@ def test_the_workers_report_aggregates_and_crosses_processes() -> None:
 def test_two_instances_on_a_real_master_encode_a_shared_image_once(mooncake_master: MasterProcess) -> None:
     """Real time, a real master: the second instance waits for the first's save and loads it."""
     cfg = vllm_config(
-        "ec_both", namespace="single-flight", mooncake=mooncake_extra(mooncake_master, claim_wait=CLAIM_WAIT_S)
+        "ec_both",
+        namespace="single-flight",
+        mooncake=mooncake_extra(mooncake_master, claim_wait=CLAIM_WAIT_S),
     )
     key = key_of(pixels(10))
     with (
@@ -377,3 +388,28 @@ def test_two_instances_on_a_real_master_encode_a_shared_image_once(mooncake_mast
         assert torch.equal(meta.loads[0].tensor, embedding(10))
         assert a.totals()["claims_won"] == 1 and b.totals()["waits_served"] == 1
         assert key.to_key() not in b._scheduler.claims()
+
+
+def test_the_claims_a_stager_holds_are_bounded(clock: StepClock, fake_master: FakeMooncakeMaster) -> None:
+    """Past `most` claims held, the oldest are released (each also ends at its hold)."""
+    config = MooncakeConfig(
+        master_server_address=fake_master.address, local_buffer_size=4 << 20, claim_wait=2.0
+    )
+    with MooncakeCache(config, store_class=FakeMooncakeStore) as cache:
+        stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0, clock=clock)
+        try:
+            keys = [key_of(pixels(seed)) for seed in (11, 12, 13)]
+            for i, key in enumerate(keys):
+                stager.want(f"img-{i}", key, ROWS)
+                assert wait_until(lambda i=i: stager.state(f"img-{i}") is Staged.MISSING, 10.0, poll=0.0005)
+                clock.now += 1.0
+            assert stager.claims() == [k.to_key() for k in keys]
+            stager.expire_claims(most=1)
+            assert stager.claims() == [keys[2].to_key()]
+            assert lease_gone(fake_master, keys[0]) and lease_gone(fake_master, keys[1])
+            clock.now += 10.0
+            stager.expire_claims()
+            assert stager.claims() == []
+            assert lease_gone(fake_master, keys[2])
+        finally:
+            stager.close()

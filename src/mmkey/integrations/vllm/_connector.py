@@ -87,11 +87,15 @@ class MMKeyECConnector(ECConnectorBase):
     Scheduler side: `ensure_cache_available` starts fetches of a request's items (verified,
     into host memory this side owns) and defers the request until each is staged or known
     missing, at most the store's timeout (or ``producer_wait_s`` for items a producer
-    announced); `has_cache_item` is ``True`` only for staged items, so a load can no longer
-    fail after the scheduler planned it. `update_state_after_alloc` hands staged tensors to
-    the step's metadata (consumers) or plans saves (producers). Worker side:
+    announced, ``claim_wait`` for items another instance claimed and is encoding: producers
+    claim what they encode, single-flight); `has_cache_item` is ``True`` only for staged
+    items, so a load can no longer fail after the scheduler planned it.
+    `update_state_after_alloc` hands staged tensors to the step's metadata (consumers) or plans
+    saves (producers). Worker side:
     `start_load_caches` moves the staged tensors to the device; `save_caches` queues new
-    outputs for a background save (tensor-parallel rank 0 only; stored keys are skipped).
+    outputs for a background save (tensor-parallel rank 0 only; stored keys are skipped), and
+    `build_connector_worker_meta` tells the scheduler side which saves are done
+    (`update_connector_output` ends their claims).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:

@@ -231,8 +231,6 @@ class SchedulerSide:
         stager = self._stager
         if stager is None:
             return True
-        if self._claim_wait:
-            stager.expire_claims(_MAX_TRACKED)
         state = self._state_of(request)
         if state.waited_out:
             return True

@@ -224,9 +224,12 @@ class Stager:
         with self._cond:
             if not self._won:
                 return
-            late = [text for text, won in self._won.items() if won.until <= now]
-            late += list(self._won)[: max(0, len(self._won) - len(late) - most)]
-            keys = [self._won.pop(text).key for text in dict.fromkeys(late)]
+            late: list[str] = []
+            for text, won in self._won.items():  # oldest first: the first still held ends the look
+                if won.until > now and len(self._won) - len(late) <= most:
+                    break
+                late.append(text)
+            keys = [self._won.pop(text).key for text in late]
         self._release(keys)
 
     def claims(self) -> list[str]:
@@ -338,6 +341,7 @@ class Stager:
                 answer = claims.get(entry.text)
                 if answer is Claim.WON:
                     self._claims_won += 1
+                    self._won.pop(entry.text, None)  # (kept oldest first: `expire_claims`)
                     self._won[entry.text] = _Won(entry.key, self._clock() + self._hold)
                 elif answer is Claim.HELD:
                     self._claims_held += 1
@@ -345,7 +349,8 @@ class Stager:
                     if answer is Claim.WON and all(e.text != entry.text for e in self._entries.values()):
                         orphans.append(self._won.pop(entry.text).key)  # nobody wants it now
                     continue  # released or replaced meanwhile
-                if answer is Claim.HELD or (answer is None and self._waits(entry, tensor, exists)):
+                waits = answer is None and not failed and self._waits(entry, tensor, exists)
+                if answer is Claim.HELD or waits:
                     entry.state = Staged.HELD
                 else:
                     entry.state = self._file(entry, tensor, exists)
