@@ -390,6 +390,10 @@ def test_two_instances_on_a_real_master_encode_a_shared_image_once(mooncake_mast
         assert key.to_key() not in b._scheduler.claims()
 
 
+def answered(stager: Stager, name: str) -> bool:
+    return stager.state(name) is Staged.MISSING
+
+
 def test_the_claims_a_stager_holds_are_bounded(clock: StepClock, fake_master: FakeMooncakeMaster) -> None:
     """Past `most` claims held, the oldest are released (each also ends at its hold)."""
     config = MooncakeConfig(
@@ -400,8 +404,9 @@ def test_the_claims_a_stager_holds_are_bounded(clock: StepClock, fake_master: Fa
         try:
             keys = [key_of(pixels(seed)) for seed in (11, 12, 13)]
             for i, key in enumerate(keys):
-                stager.want(f"img-{i}", key, ROWS)
-                assert wait_until(lambda i=i: stager.state(f"img-{i}") is Staged.MISSING, 10.0, poll=0.0005)
+                name = f"img-{i}"
+                stager.want(name, key, ROWS)
+                assert wait_until(functools.partial(answered, stager, name), 10.0, poll=0.0005)
                 clock.now += 1.0
             assert stager.claims() == [k.to_key() for k in keys]
             stager.expire_claims(most=1)
