@@ -337,24 +337,30 @@ class Stager:
         with self._cond:
             self._asked += len(keys)
             self._errors += int(failed)
+            counted: set[str] = set()  # (two names of one key share its claim)
             for (name, entry), tensor, exists in zip(asked, tensors, present, strict=True):
                 answer = claims.get(entry.text)
-                if answer is Claim.WON:
-                    self._claims_won += 1
-                    self._won.pop(entry.text, None)  # (kept oldest first: `expire_claims`)
-                    self._won[entry.text] = _Won(entry.key, self._clock() + self._hold)
-                elif answer is Claim.HELD:
-                    self._claims_held += 1
+                if answer is not None and entry.text not in counted:
+                    counted.add(entry.text)
+                    if answer is Claim.WON:
+                        self._claims_won += 1
+                        self._won.pop(entry.text, None)  # (kept oldest first: `expire_claims`)
+                        self._won[entry.text] = _Won(entry.key, self._clock() + self._hold)
+                    elif answer is Claim.HELD:
+                        self._claims_held += 1
                 if self._entries.get(name) is not entry or entry.state is not Staged.PENDING:
-                    if answer is Claim.WON and all(e.text != entry.text for e in self._entries.values()):
-                        orphans.append(self._won.pop(entry.text).key)  # nobody wants it now
                     continue  # released or replaced meanwhile
+
                 waits = answer is None and not failed and self._waits(entry, tensor, exists)
                 if answer is Claim.HELD or waits:
                     entry.state = Staged.HELD
                 else:
                     entry.state = self._file(entry, tensor, exists)
                 entry.recheck = False
+            wanted = {e.text for e in self._entries.values()} if counted else set()
+            for text in counted:  # won for names all released meanwhile: nobody wants it now
+                if claims[text] is Claim.WON and text not in wanted and text in self._won:
+                    orphans.append(self._won.pop(text).key)
             self._cond.notify_all()
         self._release(orphans)
 
