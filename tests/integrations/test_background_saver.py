@@ -165,3 +165,29 @@ def test_a_view_counts_the_storage_it_pins_and_stored_keys_are_skipped() -> None
     assert (counts.saved, counts.skipped, counts.dropped) == (1, 1, 1)
     assert cache.batches == [1]  # the second save made no write call
     assert saver.close(5)
+
+
+def test_on_done_names_every_finished_save_before_a_flush_returns() -> None:
+    """Written, skipped as stored, failed, and dropped at close: each is named once."""
+    cache = GatedCache()
+    cache.gate.set()
+    done: list[str] = []
+    saver = BackgroundSaver(cache, 1 << 20, on_done=done.extend)
+    assert saver.submit(key("written"), torch.randn(2, 4))
+    assert saver.flush(10)
+    assert done == [key("written").to_key()]  # already there when the flush returned
+    assert saver.submit(key("written"), torch.randn(2, 4))  # stored: skipped
+    assert saver.flush(10)
+    assert done[1:] == [key("written").to_key()]
+    cache.fail = True
+    assert saver.submit(key("failed"), torch.randn(2, 4))
+    assert saver.flush(10)
+    assert done[2:] == [key("failed").to_key()]
+    cache.gate.clear()
+    cache.entered.clear()
+    assert saver.submit(key("held"), torch.randn(2, 4))
+    assert cache.entered.wait(10)  # the thread is inside this write
+    assert saver.submit(key("queued"), torch.randn(2, 4))
+    assert not saver.close(0.05)
+    assert key("queued").to_key() in done  # dropped at close
+    cache.gate.set()

@@ -62,7 +62,9 @@ class BackgroundSaver:
 
     Queued saves are written together, in `insert_batch` calls of at most `max_batch_bytes`.
     `on_failure(message)` is called on the saver thread for every failed call (the caller
-    rate-limits its logging); it must not raise.
+    rate-limits its logging); it must not raise. `on_done(texts)`, where given, is called with
+    the key texts of every save that finished (written, skipped, failed, dropped at `close`),
+    on the saver thread; it must not raise.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class BackgroundSaver:
         on_failure: Callable[[str], None] = lambda _: None,
         name: str = "mmkey-saver",
         max_batch_bytes: int = 64 << 20,
+        on_done: Callable[[list[str]], None] | None = None,
     ) -> None:
         if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int):
             raise TypeError(f"max_pending_bytes must be an int, got {max_pending_bytes!r}")
@@ -81,6 +84,7 @@ class BackgroundSaver:
         self._budget = max_pending_bytes
         self._batch_bytes = max_batch_bytes
         self._on_failure = on_failure
+        self._on_done = on_done
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._queued_texts: set[str] = set()
@@ -137,8 +141,11 @@ class BackgroundSaver:
         with self._cond:
             self._closed = True
             self._dropped += len(self._queue)
+            dropped = [job.text for job in self._queue]
             self._queue.clear()
             self._cond.notify_all()
+        if dropped and self._on_done is not None:
+            self._on_done(dropped)
         if finished:
             self._thread.join(timeout)
         return finished
@@ -160,6 +167,8 @@ class BackgroundSaver:
             n_skipped = len(skipped)
             batch.clear()
             skipped.clear()  # release the tensors before anyone is told they are written
+            if self._on_done is not None:  # before a flush that waits for them returns
+                self._on_done(texts)
             with self._cond:
                 self._saved += ok
                 self._failed += len(batch_texts) - ok

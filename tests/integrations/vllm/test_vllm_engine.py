@@ -464,6 +464,39 @@ def test_with_the_engine_core_in_its_own_process_outputs_are_equal_and_hits_load
     assert second["tower_images"] == 0
 
 
+def test_two_engines_given_the_same_images_at_once_encode_each_image_once(
+    model_dir: Path, fleet: Fleet, host: EngineHost, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """Single-flight across engines: two engines sharing a store start the same requests at
+    the same moment (a barrier); of each image missing in both, one engine claims and encodes
+    it, the other waits for its entry and loads it. Each image runs through a tower once."""
+    ns = fresh_namespace("single-flight")
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    # a roomy claim_wait: on 2 shared cores an encode and its save can take seconds
+    ec = ec_config(fleet, namespace=ns, mooncake={"claim_wait": 30.0})
+    spec = {"model": str(model_dir), "ec": ec, "prompts": PROMPTS, "barrier_dir": str(barrier)}
+    other = start_engine(tmp_path, "two", dict(spec, name="two"))
+    started = host.start(tmp_path, "one", dict(spec, name="one"))
+    try:
+        for k in range(2):  # round 0, then the release after it
+            stop = time.monotonic() + ENGINE_TIMEOUT_S
+            ready = [barrier / f"{name}.ready-{k}" for name in ("one", "two")]
+            while not all(p.exists() for p in ready) and time.monotonic() < stop and other.poll() is None:
+                time.sleep(0.01)
+            (barrier / f"go-{k}").write_text("go")  # (an engine that died: the other is let go)
+    finally:
+        one = host.wait(started)
+        two = finish(other, tmp_path, "two")
+    assert tokens(one) == reference and tokens(two) == reference
+    assert one["tower_images"] + two["tower_images"] == DISTINCT_IMAGES, (
+        one["tower_images"],
+        two["tower_images"],
+    )
+    loaded = one["worker_totals"].get("loaded", 0) + two["worker_totals"].get("loaded", 0)
+    assert loaded == DISTINCT_IMAGES  # what one engine encoded, the other loaded
+
+
 def test_the_master_killed_before_the_lookup_means_every_item_is_encoded_and_outputs_equal(
     model_dir: Path, host: EngineHost, reference: list[list[int]], tmp_path: Path
 ) -> None:

@@ -16,10 +16,12 @@ a `MooncakeCache` (``MOONCAKE_*`` variables or ``"mooncake"`` in the extra confi
 `MemoryCache` (``"store": "memory"``).
 
 The scheduler side fetches a request's items off its step, verified, into host memory it owns,
-and claims an item only once it is staged there, so a load can never fail after vLLM planned
-it; the worker side only moves staged tensors to its device, and saves new encoder outputs on
-a background thread within a byte budget. Store faults are misses: counted, logged at most
-once a minute per kind, and the cache re-joins the store by itself.
+and says an item is cached only once it is staged there, so a load can never fail after vLLM
+planned it; the worker side only moves staged tensors to its device, and saves new encoder
+outputs on a background thread within a byte budget. An instance that encodes claims what is
+missing (single-flight, where the cache has claims on), so of instances missing one image at
+once one encodes it and the others wait for its entry, bounded. Store faults are misses:
+counted, logged at most once a minute per kind, and the cache re-joins the store by itself.
 
 The package, each module and what it may import: ``_connector`` the class vLLM loads (any
 module below), which opens the cache and hands each hook to its side: ``_scheduler`` (fetches

@@ -18,6 +18,8 @@ _SCHEDULER_HOOKS = {
     "request_finished": ("request",),
     "start_load_caches": ("encoder_cache",),
     "save_caches": ("encoder_cache", "mm_hash"),
+    "build_connector_worker_meta": (),
+    "update_connector_output": ("connector_output",),
 }
 
 

@@ -15,6 +15,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
     ECConnectorRole,
+    ECConnectorWorkerMetadata,
 )
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
@@ -35,6 +36,7 @@ from mmkey.keys import EmbeddingKey
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["MMKeyECConnector"]
@@ -85,11 +87,15 @@ class MMKeyECConnector(ECConnectorBase):
     Scheduler side: `ensure_cache_available` starts fetches of a request's items (verified,
     into host memory this side owns) and defers the request until each is staged or known
     missing, at most the store's timeout (or ``producer_wait_s`` for items a producer
-    announced); `has_cache_item` is ``True`` only for staged items, so a load can no longer
-    fail after the scheduler planned it. `update_state_after_alloc` hands staged tensors to
-    the step's metadata (consumers) or plans saves (producers). Worker side:
+    announced, ``claim_wait`` for items another instance claimed and is encoding: producers
+    claim what they encode, single-flight); `has_cache_item` is ``True`` only for staged
+    items, so a load can no longer fail after the scheduler planned it.
+    `update_state_after_alloc` hands staged tensors to the step's metadata (consumers) or plans
+    saves (producers). Worker side:
     `start_load_caches` moves the staged tensors to the device; `save_caches` queues new
-    outputs for a background save (tensor-parallel rank 0 only; stored keys are skipped).
+    outputs for a background save (tensor-parallel rank 0 only; stored keys are skipped), and
+    `build_connector_worker_meta` tells the scheduler side which saves are done
+    (`update_connector_output` ends their claims).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
@@ -215,6 +221,15 @@ class MMKeyECConnector(ECConnectorBase):
         """
         self._worker.save_caches(self._metadata(), encoder_cache, mm_hash)
 
+    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        """The saves this worker finished since the last step (``None``: none, or no claims),
+        so that the scheduler side releases their claims."""
+        return self._worker.worker_meta()
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        """Release the claims of the saves the workers finished, and those past their hold."""
+        self._scheduler.update_connector_output(getattr(connector_output, "ec_connector_worker_meta", None))
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Nothing to report: loads finish within the step and saves hold their own tensors."""
         return None, None
@@ -232,10 +247,26 @@ class MMKeyECConnector(ECConnectorBase):
             now["saver"] = (c.saved, c.failed, c.dropped, c.skipped)
         s = self._scheduler.stager_counts()
         if s is not None:
-            now["stager"] = (s.asked, s.staged, s.wrong_size, s.over_budget, s.store_errors)
+            now["stager"] = (
+                s.asked,
+                s.staged,
+                s.wrong_size,
+                s.over_budget,
+                s.store_errors,
+                s.claims_won,
+                s.claims_held,
+            )
         names = {
             "saver": ("saved", "save_failures", "saves_dropped", "saves_skipped"),
-            "stager": ("lookups", "found", "wrong_size", "over_budget", "store_errors"),
+            "stager": (
+                "lookups",
+                "found",
+                "wrong_size",
+                "over_budget",
+                "store_errors",
+                "claims_won",
+                "claims_held",
+            ),
         }
         for part, values in now.items():
             before = self._seen.get(part, (0,) * len(values))

@@ -1,5 +1,6 @@
 """What travels from the scheduler side to the workers each step (`MMKeyECMetadata` of
-`LoadItem`), and the connector's counters as vLLM aggregates and logs them (`MMKeyECStats`)."""
+`LoadItem`), what travels back (`MMKeyECWorkerMetadata`: the saves done), and the connector's
+counters as vLLM aggregates and logs them (`MMKeyECStats`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from dataclasses import dataclass
 
 import attrs
 import torch
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
 from mmkey.keys import EmbeddingKey
 
-__all__ = ["LoadItem", "MMKeyECMetadata", "MMKeyECStats"]
+__all__ = ["LoadItem", "MMKeyECMetadata", "MMKeyECStats", "MMKeyECWorkerMetadata"]
 
 
 @attrs.frozen(slots=True)
@@ -35,6 +36,20 @@ class MMKeyECMetadata(ECConnectorMetadata):
     saves: dict[str, EmbeddingKey] = attrs.field(factory=dict)
 
 
+@attrs.frozen(slots=True)
+class MMKeyECWorkerMetadata(ECConnectorWorkerMetadata):
+    """What a saving worker tells the scheduler side after a step: the key texts whose saves
+    finished (written, skipped as stored, failed or dropped), so that their claims end."""
+
+    saved: frozenset[str] = frozenset()
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        """These saves and those of ``other`` (another worker's)."""
+        if not isinstance(other, MMKeyECWorkerMetadata):
+            return self
+        return MMKeyECWorkerMetadata(self.saved | other.saved)
+
+
 _STAT_NAMES = (
     "lookups",
     "found",
@@ -50,6 +65,10 @@ _STAT_NAMES = (
     "saves_dropped",
     "store_errors",
     "announcements_ignored",
+    "claims_won",
+    "claims_held",
+    "waits_served",
+    "waits_timed_out",
 )
 
 
@@ -64,7 +83,11 @@ class MMKeyECStats(ECConnectorStats):
     ``saves_skipped`` (already stored)/``save_failures``/``saves_dropped`` (over the pending
     budget). ``store_errors``: store calls that raised. ``announcements_ignored``: requests
     whose ``ec_transfer_params`` named keys of another namespace, were malformed, or were
-    not signed with the fleet's entry secret where one is set.
+    not signed with the fleet's entry secret where one is set. Single-flight (producers over a
+    cache with claims on): ``claims_won`` (missing items this instance claimed and encodes),
+    ``claims_held`` (answers that another claimant encodes an item), ``waits_served`` (items a
+    request waited for that landed and were staged: encodes saved), ``waits_timed_out`` (items
+    still not landed when the request's wait ended: encoded here).
     """
 
     def reset(self) -> None:

@@ -1,6 +1,12 @@
 """The connector's scheduler side: fetches a request's items off the scheduler's step into
-staged host memory (`Stager`), claims an item only once it is staged, and plans each step's
-loads and saves (`MMKeyECMetadata`, the only vLLM class it needs at run time)."""
+staged host memory (`Stager`), says an item is cached only once it is staged, and plans each
+step's loads and saves (`MMKeyECMetadata`, the only vLLM class it needs at run time).
+
+Single-flight (an encoding role over a cache with claims on): a missing item is claimed off the
+step; a request whose item another claimant is encoding waits for its entry, at most
+``max(lookup wait, claim_wait)`` from its first deferral. A request claims in key order: one
+that won a key past a key it waits for gives that claim back, so two requests that each won
+what the other waits for never wait on each other."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from mmkey.digest import HashScheme, Modality
 from mmkey.entry.auth import EntryKeyring
 from mmkey.integrations._common import Counters
 from mmkey.integrations.vllm._announce import announce, read_announcement
-from mmkey.integrations.vllm._metadata import LoadItem, MMKeyECMetadata
+from mmkey.integrations.vllm._metadata import LoadItem, MMKeyECMetadata, MMKeyECWorkerMetadata
 from mmkey.integrations.vllm._settings import (
     ConnectorSettings,
     content_digest,
@@ -24,7 +30,7 @@ from mmkey.integrations.vllm._settings import (
     modality_of,
     scoped_identifier_key,
 )
-from mmkey.integrations.vllm._staging import Staged, Stager, StagerCounts
+from mmkey.integrations.vllm._staging import Staged, Stager, StagerCounts, claim_wait_of
 from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:
@@ -41,6 +47,9 @@ waits twice as long as the one before, up to `_RETRY_LONGEST_S` (or a 16th of th
 _RETRY_LONGEST_S = 0.25
 _MAX_RETRIES = 32
 """Retries of a request's announced items at most: then they are encoded here."""
+_HELD_RETRY_LONGEST_S = 0.1
+"""The longest pause between two looks at items claimed elsewhere (from `_RETRY_FIRST_S`,
+doubling): a waiter sees an entry at most this long after it landed."""
 
 
 @attrs.define(slots=True)
@@ -64,6 +73,12 @@ class _RequestState:
     retries: int = 0
     """Rounds of retries of its announced items so far (at most `_MAX_RETRIES`)."""
     next_retry: float = 0.0
+    claim_deadline: float | None = None
+    """When its wait for items claimed elsewhere ends, set at the same time, never moved."""
+    held: set[str] = attrs.field(factory=set)
+    """Identifiers of its items it waits for (claimed elsewhere), until each is answered."""
+    held_retries: int = 0
+    next_held_retry: float = 0.0
     waited_out: bool = False
     """The request waited its longest once; it is not deferred again."""
 
@@ -76,6 +91,7 @@ class SchedulerSide:
     role in a disaggregated setup; `warn` logs a store fault at a limited rate. `keyring`:
     the fleet's entry secrets, which sign and verify announcements (``None``: unsigned).
     `clock` (monotonic) times every wait, `wall_clock` (the epoch's) the secrets' expiry.
+    A producer over a cache with claims on (`claim_wait_of` > 0) claims what it encodes.
     """
 
     def __init__(
@@ -102,12 +118,20 @@ class SchedulerSide:
         self._clock = clock
         self._wall_clock = wall_clock
         self._stager: Stager | None = None
+        self._lookup_wait = _store_timeout(cache) + _WAIT_MARGIN_S
+        claim_wait = claim_wait_of(cache) if stage and producer else 0.0
+        self._claim_wait = max(self._lookup_wait, claim_wait) if claim_wait else 0.0
+        """How long a request waits at most for items claimed elsewhere (0.0: claims off)."""
         if stage:
             self._stager = Stager(
                 cache,
                 fetch=consumer,
                 max_bytes=settings.max_staged_bytes,
                 on_error=lambda message: warn("lookup", message),
+                claims=claim_wait > 0,
+                # a won claim outlives every wait for it that began before it was won
+                hold_s=self._claim_wait + self._lookup_wait,
+                clock=clock,
             )
         self._requests: dict[str, _RequestState] = {}
         self._users: dict[str, set[str]] = {}
@@ -119,7 +143,6 @@ class SchedulerSide:
         self._shipped: OrderedDict[str, None] = OrderedDict()
         self._loads: dict[str, LoadItem] = {}
         self._saves: dict[str, EmbeddingKey] = {}
-        self._lookup_wait = _store_timeout(cache) + _WAIT_MARGIN_S
         self._retry_longest = max(_RETRY_LONGEST_S, settings.producer_wait_s / 16)
 
     def key(self, identifier: str, modality: Modality) -> EmbeddingKey:
@@ -132,8 +155,18 @@ class SchedulerSide:
         """The stager's own counts (``None`` where this side stages nothing)."""
         return None if self._stager is None else self._stager.counts()
 
+    @property
+    def claim_wait(self) -> float:
+        """How long a request waits at most, from its first deferral, for items another
+        claimant is encoding; 0.0 where this side claims nothing."""
+        return self._claim_wait
+
+    def claims(self) -> list[str]:
+        """The key texts whose claims this side holds (their encodes and saves are due here)."""
+        return [] if self._stager is None else self._stager.claims()
+
     def close(self) -> None:
-        """Stop the stager's fetches and drop what it staged."""
+        """Stop the stager's fetches, release its claims and drop what it staged."""
         if self._stager is not None:
             self._stager.close()
 
@@ -185,14 +218,16 @@ class SchedulerSide:
             self._conflicted.add(identifier)
             self._saves.pop(identifier, None)  # it would save one image's output under the other's key
             if self._stager is not None:
+                self._stager.abandon(identifier, force=True)  # neither key's save will come
                 self._stager.release(identifier)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """Start fetching the request's items ahead of ``num_computed_tokens``; ``False`` (vLLM
-        tries again next step) while any is unanswered, or while an item a producer announced
-        is not stored yet. Both waits are bounded from the request's first deferral (the
-        store's timeout plus 0.5 s; ``producer_wait_s`` for announced items), whatever answers
-        come meanwhile; announced items are asked again at most `_MAX_RETRIES` times."""
+        tries again next step) while any is unanswered, while an item a producer announced is
+        not stored yet, or while an item another claimant is encoding has not landed. Each wait
+        is bounded from the request's first deferral (the store's timeout plus 0.5 s;
+        ``producer_wait_s`` for announced items; `claim_wait` for claimed ones), whatever
+        answers come meanwhile; announced items are asked again at most `_MAX_RETRIES` times."""
         stager = self._stager
         if stager is None:
             return True
@@ -204,6 +239,9 @@ class SchedulerSide:
         retried = False
         waiting = False
         waiting_for_producer = False
+        rechecking = False  # an item claimed elsewhere is being looked at again
+        missing: list[tuple[int, str]] = []  # (index, identifier) of items answered missing
+        held: list[tuple[str, str]] = []  # (key text, identifier) of items claimed elsewhere
         for index, feature in enumerate(request.mm_features):
             modality = modality_of(feature.modality)
             position = feature.mm_position
@@ -213,8 +251,16 @@ class SchedulerSide:
             if identifier in self._shipped:
                 continue  # in vLLM's encoder cache already (or encoded there if it was evicted)
             known = stager.state(identifier) if identifier in state.names else None
-            if known is Staged.STAGED or (known is Staged.MISSING and not state.announced):
+            if state.held and identifier in state.held and known is not Staged.HELD:
+                if known is Staged.STAGED:
+                    self._counts.add(waits_served=1)  # its claimant's entry landed, verified
+                if known is not Staged.PENDING:
+                    state.held.discard(identifier)
+            if known is Staged.STAGED:
                 continue  # answered: the common case of a later step, no key work
+            if known is Staged.MISSING and not state.announced:
+                missing.append((index, identifier))
+                continue
             key = self._key_of(request, state, index, modality)
             first_ask = identifier not in state.names
             if first_ask:  # every live request that names it counts, conflicted or not
@@ -231,26 +277,75 @@ class SchedulerSide:
             if staged is Staged.PENDING:
                 waiting = True
                 waiting_for_producer |= announced
-            elif staged is Staged.MISSING and announced and state.retries < _MAX_RETRIES:
-                waiting = waiting_for_producer = True
-                if retry_due:
-                    stager.retry(identifier)
-                    retried = True
+                rechecking |= identifier in state.held
+            elif staged is Staged.HELD:
+                held.append((key.to_key(), identifier))
+            elif staged is Staged.MISSING:
+                missing.append((index, identifier))
+                if announced and state.retries < _MAX_RETRIES:
+                    waiting = waiting_for_producer = True
+                    if retry_due:
+                        stager.retry(identifier)
+                        retried = True
         if retried:
             state.next_retry = now + min(_RETRY_FIRST_S * 2**state.retries, self._retry_longest)
             state.retries += 1
-        if not waiting:
+        waiting_for_claims = bool(held) and self._wait_in_key_order(state, held, missing, now)
+        waiting_for_claims |= rechecking
+        if not waiting and not waiting_for_claims:
             return True
         if state.lookup_deadline is None:
             self._counts.add(deferred=1)
             state.lookup_deadline = now + self._lookup_wait
             state.producer_deadline = now + max(self._lookup_wait, self._settings.producer_wait_s)
-        deadline = state.producer_deadline if waiting_for_producer else state.lookup_deadline
-        assert deadline is not None
+            state.claim_deadline = now + self._claim_wait
+        assert state.producer_deadline is not None and state.claim_deadline is not None
+        deadline = state.lookup_deadline
+        if waiting_for_producer:
+            deadline = max(deadline, state.producer_deadline)
+        if waiting_for_claims:
+            deadline = max(deadline, state.claim_deadline)
         if now < deadline:
             return False
-        self._counts.add(waited_out=1)
+        self._counts.add(waited_out=1, waits_timed_out=len(state.held))
+        state.held.clear()
         state.waited_out = True  # waited once: the rest is encoded here, never deferred again
+        return True
+
+    def _wait_in_key_order(
+        self, state: _RequestState, held: list[tuple[str, str]], missing: list[tuple[int, str]], now: float
+    ) -> bool:
+        """Whether the request waits for its `held` items (claimed elsewhere), claiming in key
+        order: the first held key is asked again and claimed, later ones only looked up, and a
+        claim it won past the first held key is given back (it could be what the claimant of
+        that key waits for). A key the request also won under another identifier is encoded
+        here (it would wait for itself)."""
+        stager = self._stager
+        assert stager is not None
+        won = [
+            (state.keys[index].to_key(), identifier)
+            for index, identifier in missing
+            if index in state.keys and stager.won(identifier)
+        ]
+        mine = {text for text, _ in won}
+        waited = sorted((text, identifier) for text, identifier in held if text not in mine)
+        if not waited:
+            return False
+        first = waited[0][0]
+        for text, identifier in won:
+            if text > first:
+                stager.give_back(identifier)
+                if stager.state(identifier) is Staged.HELD:
+                    waited.append((text, identifier))
+        state.held.update(identifier for _, identifier in waited)
+        if state.held_retries == 0 and state.next_held_retry == 0.0:
+            state.next_held_retry = now + _RETRY_FIRST_S  # its claimant has only just begun
+        if now >= state.next_held_retry:
+            for text, identifier in waited:
+                stager.retry(identifier, claim=text == first)
+            pause = min(_RETRY_FIRST_S * 2**state.held_retries, _HELD_RETRY_LONGEST_S)
+            state.next_held_retry = now + pause
+            state.held_retries += 1
         return True
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -294,13 +389,26 @@ class SchedulerSide:
                     return
             self._saves[identifier] = key
             state.saved.add(key.to_key())
+            if stager is not None:
+                stager.saving(key.to_key())  # a claim won on it is released when the save is done
 
     def build_connector_meta(self) -> MMKeyECMetadata:
         """This step's loads (staged tensors, handed over) and saves."""
+        if self._stager is not None and self._claim_wait:
+            self._stager.expire_claims(_MAX_TRACKED)
         meta = MMKeyECMetadata(tuple(self._loads.values()), dict(self._saves))
         self._loads.clear()
         self._saves.clear()
         return meta
+
+    def update_connector_output(self, worker_meta: object) -> None:
+        """Release the claims whose saves the workers finished (written, skipped or failed),
+        and those held past their hold."""
+        if self._stager is None or not self._claim_wait:
+            return
+        if isinstance(worker_meta, MMKeyECWorkerMetadata):
+            self._stager.release_claims(worker_meta.saved)
+        self._stager.expire_claims(_MAX_TRACKED)
 
     def _forget(self, request_id: str, identifier: str) -> None:
         users = self._users.get(identifier)
@@ -312,6 +420,7 @@ class SchedulerSide:
             self._item_keys.pop(identifier, None)
             self._conflicted.discard(identifier)
             if self._stager is not None:
+                self._stager.abandon(identifier)  # a claim whose save is not planned ends now
                 self._stager.release(identifier)
             self._shipped.pop(identifier, None)
 

@@ -5,24 +5,32 @@ asks the cache for everything queued in one call (`get_embeddings`, verified, fo
 `batch_is_exist` for producers that only skip what is stored) and files each answer. An item
 is `Staged.STAGED` only when its verified tensor, of the expected number of rows, is held
 here; staged bytes are bounded (an item past the budget is `Staged.MISSING`: it is encoded).
+
+Single-flight, where the cache supports claims (`claims_on`) and this side's instance encodes
+what is missing: an item found missing is claimed on the same thread (`ClaimingCache.claim`, a
+store call within its timeout). Won: `Staged.MISSING` (encode it here), the claim held until
+its save is written (`release_claims`), its request lets go without a save (`abandon`) or its
+hold ends (`expire_claims`). Held elsewhere: `Staged.HELD`, asked again on `retry` (does it
+exist yet? then fetched, verified; else claimed again, so a claimant that gave up is taken over).
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
 
-from mmkey.cache.protocol import EmbeddingCache
+from mmkey.cache.protocol import Claim, ClaimingCache, EmbeddingCache
 from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Staged", "Stager", "StagerCounts"]
+__all__ = ["Staged", "Stager", "StagerCounts", "claim_wait_of"]
 
 _CALL_BYTES = 64 << 20
 
@@ -36,15 +44,46 @@ class Staged(enum.Enum):
     """Verified and held here (or, for an existence check, known stored)."""
     MISSING = "missing"
     """Not stored, not valid, of another size, over the budget, or the store failed."""
+    HELD = "held"
+    """Not stored yet, and claimed by another claimant (another instance, or another caller
+    of this cache) that is encoding it: wait for its entry, bounded, asking again on `retry`."""
+
+
+def claim_wait_of(cache: EmbeddingCache) -> float:
+    """The cache's ``claim_wait`` where it supports claims and has them on, else 0.0."""
+    if not isinstance(cache, ClaimingCache):
+        return 0.0
+    try:
+        wait: object = cache.claim_wait
+    except Exception:  # a cache is an optimisation: no claims
+        return 0.0
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait <= 0:
+        return 0.0
+    return float(wait)
 
 
 @attrs.define(slots=True)
 class _Entry:
     key: EmbeddingKey
     rows: int
+    text: str = ""
     state: Staged = Staged.PENDING
     tensor: torch.Tensor | None = None
     nbytes: int = 0
+    claim: bool = True
+    """Whether a miss of it is claimed (else a `Staged.HELD` item stays held until it lands)."""
+    recheck: bool = False
+    """Asked again after `Staged.HELD`: is it stored yet (then fetched), else claimed again."""
+
+
+@attrs.define(slots=True)
+class _Won:
+    """A claim this stager won: held until its save is written, at the latest until `until`."""
+
+    key: EmbeddingKey
+    until: float
+    saving: bool = False
+    """Its save is planned: a request that lets go does not release it (the save does)."""
 
 
 @attrs.frozen(slots=True)
@@ -63,6 +102,10 @@ class StagerCounts:
     """Store calls that raised (every item of the call is missing)."""
     staged_bytes: int = 0
     """Bytes held now."""
+    claims_won: int = 0
+    """Missing items this side claimed (single-flight): encoded here, released after the save."""
+    claims_held: int = 0
+    """Answers that a missing item is claimed elsewhere (its requests wait for the entry)."""
 
 
 class Stager:
@@ -70,7 +113,8 @@ class Stager:
 
     `fetch=True` reads and verifies entries (consumers); `fetch=False` only checks that they
     exist (producers that skip stored items). `on_error(message)` is called on the thread for
-    a failed store call and must not raise.
+    a failed store call and must not raise. `claims`: claim missing items (the cache must be a
+    `ClaimingCache`); a won claim is held at most `hold_s` seconds of `clock` (monotonic).
     """
 
     def __init__(
@@ -81,9 +125,18 @@ class Stager:
         max_bytes: int,
         on_error: Callable[[str], None] = lambda _: None,
         name: str = "mmkey-vllm-stager",
+        claims: bool = False,
+        hold_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cache = cache
         self._fetch = fetch
+        self._claiming: ClaimingCache | None = cache if claims and isinstance(cache, ClaimingCache) else None
+        self._hold = hold_s
+        self._clock = clock
+        self._won: dict[str, _Won] = {}
+        """Claims won and not released, by key text (oldest first)."""
+        self._claims_won = self._claims_held = 0
         self._budget = max_bytes
         self._on_error = on_error
         self._cond = threading.Condition()
@@ -104,19 +157,93 @@ class Stager:
                 return entry.state
             if entry is not None:
                 self._drop(name)
-            self._entries[name] = _Entry(key, rows)
+            self._entries[name] = _Entry(key, rows, key.to_key())
             self._queue.append(name)
             self._cond.notify_all()
             return Staged.PENDING
 
-    def retry(self, name: str) -> None:
-        """Ask again for a `MISSING` item (it may have been stored since)."""
+    def retry(self, name: str, *, claim: bool = True) -> None:
+        """Ask again for a `MISSING` or `HELD` item (it may have been stored since); `claim`:
+        whether a `HELD` item still missing is claimed again (else it stays held)."""
         with self._cond:
             entry = self._entries.get(name)
-            if entry is not None and entry.state is Staged.MISSING:
+            if entry is not None and entry.state in (Staged.MISSING, Staged.HELD):
+                entry.recheck = entry.state is Staged.HELD
+                entry.claim = claim
                 entry.state = Staged.PENDING
                 self._queue.append(name)
                 self._cond.notify_all()
+
+    def won(self, name: str) -> bool:
+        """Whether this stager holds the claim of `name`'s key (it is encoded here)."""
+        entry = self._entries.get(name)
+        return entry is not None and entry.text in self._won
+
+    def give_back(self, name: str) -> None:
+        """Release the claim won for `name` (unless its save is planned): `name` is `HELD`,
+        asked again without claiming until `retry` says otherwise."""
+        with self._cond:
+            entry = self._entries.get(name)
+            won = None if entry is None else self._won.get(entry.text)
+            if entry is None or won is None or won.saving or entry.state is not Staged.MISSING:
+                return
+            del self._won[entry.text]
+            entry.state, entry.claim = Staged.HELD, False
+        self._release([won.key])
+
+    def saving(self, text: str) -> None:
+        """The save of the key `text` is planned: its claim is released when the save is done."""
+        with self._cond:
+            won = self._won.get(text)
+            if won is not None:
+                won.saving = True
+
+    def abandon(self, name: str, *, force: bool = False) -> None:
+        """`name`'s last request let go: release its claim unless its save is planned (or
+        `force`: the save was called off)."""
+        with self._cond:
+            entry = self._entries.get(name)
+            won = None if entry is None else self._won.get(entry.text)
+            if entry is None or won is None or (won.saving and not force):
+                return
+            del self._won[entry.text]
+        self._release([won.key])
+
+    def release_claims(self, texts: object) -> int:
+        """Release the claims won on the key texts `texts` (their saves are done); how many."""
+        if not isinstance(texts, (set, frozenset, list, tuple)):
+            return 0
+        with self._cond:
+            keys = [self._won.pop(text).key for text in texts if isinstance(text, str) and text in self._won]
+        self._release(keys)
+        return len(keys)
+
+    def expire_claims(self, most: int = 4096) -> None:
+        """Release the claims held past their hold, and the oldest past `most` claims."""
+        now = self._clock()
+        with self._cond:
+            if not self._won:
+                return
+            late: list[str] = []
+            for text, won in self._won.items():  # oldest first: the first still held ends the look
+                if won.until > now and len(self._won) - len(late) <= most:
+                    break
+                late.append(text)
+            keys = [self._won.pop(text).key for text in late]
+        self._release(keys)
+
+    def claims(self) -> list[str]:
+        """The key texts whose claims this stager holds."""
+        with self._cond:
+            return list(self._won)
+
+    def _release(self, keys: list[EmbeddingKey]) -> None:
+        """Tell the cache (without waiting) that these claims are given up."""
+        if keys and self._claiming is not None:
+            try:
+                self._claiming.release(keys)
+            except Exception as exc:  # a closed or failing cache: its leases end with it
+                self._on_error(f"{len(keys)} claim release(s) raised {type(exc).__name__}: {exc}")
 
     def state(self, name: str) -> Staged | None:
         """The state of `name`, or ``None`` when it was never asked for or was released."""
@@ -151,16 +278,28 @@ class Stager:
     def counts(self) -> StagerCounts:
         """A snapshot of the counters."""
         with self._cond:
-            return StagerCounts(self._asked, self._staged, self._wrong, self._over, self._errors, self._bytes)
+            return StagerCounts(
+                self._asked,
+                self._staged,
+                self._wrong,
+                self._over,
+                self._errors,
+                self._bytes,
+                self._claims_won,
+                self._claims_held,
+            )
 
     def close(self) -> None:
-        """Stop the thread (after its current call) and free everything held."""
+        """Stop the thread (after its current call), release every claim, free everything held."""
         with self._cond:
             self._closed = True
             self._entries.clear()
             self._queue.clear()
             self._bytes = 0
+            keys = [won.key for won in self._won.values()]
+            self._won.clear()
             self._cond.notify_all()
+        self._release(keys)
 
     def _run(self) -> None:
         while True:
@@ -185,9 +324,7 @@ class Stager:
         failed = False
         try:
             if self._fetch:
-                got = self._cache.get_embeddings(keys)
-                if len(got) == len(keys):
-                    tensors = list(got)
+                present, tensors = self._fetched(asked)
             else:
                 found = self._cache.batch_is_exist(keys)
                 if len(found) == len(keys):
@@ -195,14 +332,89 @@ class Stager:
         except Exception as exc:  # a store fault is a miss for every item asked
             failed = True
             self._on_error(f"{len(keys)} lookup(s) raised {type(exc).__name__}: {exc}")
+        claims = {} if failed else self._claim(asked, tensors, present)
+        orphans: list[EmbeddingKey] = []
         with self._cond:
             self._asked += len(keys)
             self._errors += int(failed)
+            counted: set[str] = set()  # (two names of one key share its claim)
             for (name, entry), tensor, exists in zip(asked, tensors, present, strict=True):
+                answer = claims.get(entry.text)
+                if answer is not None and entry.text not in counted:
+                    counted.add(entry.text)
+                    if answer is Claim.WON:
+                        self._claims_won += 1
+                        self._won.pop(entry.text, None)  # (kept oldest first: `expire_claims`)
+                        self._won[entry.text] = _Won(entry.key, self._clock() + self._hold)
+                    elif answer is Claim.HELD:
+                        self._claims_held += 1
                 if self._entries.get(name) is not entry or entry.state is not Staged.PENDING:
                     continue  # released or replaced meanwhile
-                entry.state = self._file(entry, tensor, exists)
+
+                waits = answer is None and not failed and self._waits(entry, tensor, exists)
+                if answer is Claim.HELD or waits:
+                    entry.state = Staged.HELD
+                else:
+                    entry.state = self._file(entry, tensor, exists)
+                entry.recheck = False
+            wanted = {e.text for e in self._entries.values()} if counted else set()
+            for text in counted:  # won for names all released meanwhile: nobody wants it now
+                if claims[text] is Claim.WON and text not in wanted and text in self._won:
+                    orphans.append(self._won.pop(text).key)
             self._cond.notify_all()
+        self._release(orphans)
+
+    def _fetched(self, asked: list[tuple[str, _Entry]]) -> tuple[list[bool], list[torch.Tensor | None]]:
+        """Whether each item is known stored (items asked again after `Staged.HELD`: looked up
+        first, the rest only read) and its verified tensor, or None."""
+        present = [False] * len(asked)
+        tensors: list[torch.Tensor | None] = [None] * len(asked)
+        read = list(range(len(asked)))
+        rechecks = [i for i, (_, entry) in enumerate(asked) if entry.recheck]
+        if rechecks:
+            found = self._cache.batch_is_exist([asked[i][1].key for i in rechecks])
+            if len(found) == len(rechecks):
+                absent = {i for i, exists in zip(rechecks, found, strict=True) if not exists}
+                for i, exists in zip(rechecks, found, strict=True):
+                    present[i] = bool(exists)
+                read = [i for i in read if i not in absent]
+        if read:
+            got = self._cache.get_embeddings([asked[i][1].key for i in read])
+            if len(got) == len(read):
+                for i, tensor in zip(read, got, strict=True):
+                    tensors[i] = tensor
+        return present, tensors
+
+    def _claim(
+        self, asked: list[tuple[str, _Entry]], tensors: list[torch.Tensor | None], present: list[bool]
+    ) -> dict[str, Claim]:
+        """Claim the items found missing (not those this stager holds, or asked not to claim);
+        what each claim answered, by key text."""
+        if self._claiming is None:
+            return {}
+        with self._cond:
+            mine = set(self._won)
+        wanted: dict[str, EmbeddingKey] = {}
+        for (_, entry), tensor, exists in zip(asked, tensors, present, strict=True):
+            stored = tensor is not None if self._fetch else exists
+            if stored or exists or not entry.claim or entry.text in mine:
+                continue  # found, stored but unreadable (encoded here), or not to be claimed
+            wanted[entry.text] = entry.key
+        if not wanted:
+            return {}
+        try:
+            answers = self._claiming.claim(list(wanted.values()))
+        except Exception as exc:  # no claim: encoded here
+            self._on_error(f"{len(wanted)} claim(s) raised {type(exc).__name__}: {exc}")
+            return {}
+        if len(answers) != len(wanted):
+            return {}
+        return dict(zip(wanted, answers, strict=True))
+
+    def _waits(self, entry: _Entry, tensor: torch.Tensor | None, exists: bool) -> bool:
+        """Whether an item asked again while `HELD`, and not claimed, is still waited for."""
+        stored = tensor is not None if self._fetch else exists
+        return entry.recheck and not entry.claim and not stored and not exists
 
     def _file(self, entry: _Entry, tensor: torch.Tensor | None, exists: bool) -> Staged:
         if not self._fetch:

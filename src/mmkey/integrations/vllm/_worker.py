@@ -1,9 +1,11 @@
 """The connector's worker side: moves the tensors the scheduler side staged onto this
 worker's device, and saves new encoder outputs on a background thread within a byte budget
-(tensor-parallel rank 0 of a producer only)."""
+(tensor-parallel rank 0 of a producer only), telling the scheduler side which saves are done
+where it claims what it encodes (`MMKeyECWorkerMetadata`)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -11,11 +13,13 @@ import torch
 from mmkey.cache.protocol import EmbeddingCache
 from mmkey.integrations._background_saver import BackgroundSaver, SaverCounts
 from mmkey.integrations._common import Counters
-from mmkey.integrations.vllm._metadata import MMKeyECMetadata
+from mmkey.integrations.vllm._metadata import MMKeyECMetadata, MMKeyECWorkerMetadata
+from mmkey.integrations.vllm._staging import claim_wait_of
 
 __all__ = ["WorkerSide", "tensor_parallel_rank"]
 
 _SHUTDOWN_WAIT_S = 5.0
+_MAX_REPORTED = 4096
 
 
 def tensor_parallel_rank() -> int:
@@ -44,13 +48,25 @@ class WorkerSide:
         self._counts = counts
         self._device: torch.device | None = None
         self._saver: BackgroundSaver | None = None
+        self._done_lock = threading.Lock()
+        self._done: set[str] = set()
+        """Key texts whose saves finished since the last step's report (claims on only)."""
         if save and tensor_parallel_rank() == 0:
+            report = claim_wait_of(cache) > 0
             self._saver = BackgroundSaver(
                 cache,
                 max_pending_save_bytes,
                 on_failure=lambda message: warn("save", message),
                 name="mmkey-vllm-saver",
+                on_done=self._finished if report else None,
             )
+        self._report = self._saver is not None and claim_wait_of(cache) > 0
+
+    def _finished(self, texts: list[str]) -> None:
+        with self._done_lock:
+            self._done.update(texts)
+            if len(self._done) > _MAX_REPORTED:  # no step has taken them: their holds end them
+                self._done = set(list(self._done)[-_MAX_REPORTED:])
 
     def _worker_device(self) -> torch.device:
         if self._device is None:
@@ -89,9 +105,20 @@ class WorkerSide:
         tensor = encoder_cache.get(mm_hash)
         if key is None or tensor is None:
             self._counts.add(saves_dropped=1)
+            if key is not None and self._report:
+                self._finished([key.to_key()])
             return
         self._counts.add(saves=1)
-        self._saver.submit(key, tensor)  # the saver counts drops
+        if not self._saver.submit(key, tensor) and self._report:  # the saver counts drops
+            self._finished([key.to_key()])
+
+    def worker_meta(self) -> MMKeyECWorkerMetadata | None:
+        """The saves finished since the last call, for the scheduler side (``None``: none)."""
+        if not self._report:
+            return None
+        with self._done_lock:
+            done, self._done = self._done, set()
+        return MMKeyECWorkerMetadata(frozenset(done)) if done else None
 
     def flush_saves(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until the queued saves are written; ``True`` when none is left."""
