@@ -38,6 +38,7 @@ from mmkey.cache.mooncake._master_http import read_metrics, segment_names
 from mmkey.cache.mooncake._net import port_accepts
 from mmkey.cache.mooncake._replicas import memory_endpoints
 from mmkey.cache.mooncake.holder import HolderSpec, find_holder_binary
+from mmkey.errors import FleetStartError, ShapingUnavailable
 from mmkey.testing._process import (
     POLL_S,
     ManagedProcess,
@@ -73,14 +74,6 @@ _LIVE_NETS: weakref.WeakSet[_TestNetwork] = weakref.WeakSet()
 _NAMES = itertools.count()
 _START_LOCK = threading.Lock()
 """One holder starts at a time: the segment that appears at the master is the starter's."""
-
-
-class FleetStartError(RuntimeError):
-    """A holder (or the test network) did not come up; the message carries its log tail."""
-
-
-class ShapingUnavailable(RuntimeError):
-    """The kernel lacks the queueing discipline asked for (``netem`` in many VMs)."""
 
 
 def fleet_unavailable_reason() -> str | None:

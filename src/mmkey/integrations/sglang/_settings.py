@@ -33,7 +33,7 @@ import attrs
 from _mmkey_sglang_guard import opted_in  # the guard of mmkey-sglang-guard.pth reads the switch the same way
 from mmkey.cache.mooncake.config import MooncakeConfig, parse_replica_num, parse_size, read_json_config
 from mmkey.digest import HashScheme, MMHash, Modality
-from mmkey.errors import InvalidKey
+from mmkey.errors import InvalidKey, SGLangConfigError
 from mmkey.keys import EmbeddingKey
 
 __all__ = [
@@ -89,10 +89,6 @@ _ENV_FIELDS = {
     "MOONCAKE_TENANT_ID": "tenant_id",
 }
 _FILE_FIELDS = frozenset({*_ENV_FIELDS.values(), "local_hostname", "local_buffer_size", "replica_num"})
-
-
-class SGLangConfigError(ValueError):
-    """The SGLang integration is switched on but cannot run as configured; says the fix."""
 
 
 def switch_problem(environ: Mapping[str, str] | None = None) -> SGLangConfigError | None:
