@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from mmkey._log import Counters
 from mmkey.cache.protocol import EmbeddingCache
 from mmkey.digest import HashScheme, Modality
 from mmkey.entry.auth import EntryKeyring
-from mmkey.integrations._common import Counters
 from mmkey.integrations.vllm._announce import announce, read_announcement
 from mmkey.integrations.vllm._metadata import LoadItem, MMKeyECMetadata
 from mmkey.integrations.vllm._settings import (

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
+from mmkey._log import Counters
 from mmkey.cache.protocol import EmbeddingCache
 from mmkey.integrations._background_saver import BackgroundSaver, SaverCounts
-from mmkey.integrations._common import Counters
 from mmkey.integrations.vllm._metadata import MMKeyECMetadata
 
 __all__ = ["WorkerSide", "tensor_parallel_rank"]
