@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from mmkey._log import Counters
 from mmkey.cache.protocol import EmbeddingCache
 from mmkey.keys import EmbeddingKey
 
@@ -91,7 +92,7 @@ class Stager:
         self._queue: list[str] = []
         self._bytes = 0
         self._closed = False
-        self._asked = self._staged = self._wrong = self._over = self._errors = 0
+        self._counts = Counters()  # named as the fields of StagerCounts
         self._entry_bytes = 8 << 20  # a guess until the first entry is read
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -146,12 +147,12 @@ class Stager:
 
     def answered(self) -> int:
         """How many answers this stager has filed (grows as fetches complete)."""
-        return self._asked
+        return self._counts.totals().get("asked", 0)
 
     def counts(self) -> StagerCounts:
         """A snapshot of the counters."""
         with self._cond:
-            return StagerCounts(self._asked, self._staged, self._wrong, self._over, self._errors, self._bytes)
+            return StagerCounts(**self._counts.totals(), staged_bytes=self._bytes)
 
     def close(self) -> None:
         """Stop the thread (after its current call) and free everything held."""
@@ -196,8 +197,7 @@ class Stager:
             failed = True
             self._on_error(f"{len(keys)} lookup(s) raised {type(exc).__name__}: {exc}")
         with self._cond:
-            self._asked += len(keys)
-            self._errors += int(failed)
+            self._counts.add(asked=len(keys), store_errors=int(failed))
             for (name, entry), tensor, exists in zip(asked, tensors, present, strict=True):
                 if self._entries.get(name) is not entry or entry.state is not Staged.PENDING:
                     continue  # released or replaced meanwhile
@@ -210,17 +210,17 @@ class Stager:
         if tensor is None:
             return Staged.MISSING
         if tensor.ndim < 1 or tensor.shape[0] != entry.rows:
-            self._wrong += 1
+            self._counts.add(wrong_size=1)
             return Staged.MISSING
         nbytes = tensor.numel() * tensor.element_size()
         self._entry_bytes = max(nbytes, 1)
         if self._bytes + nbytes > self._budget:
-            self._over += 1
+            self._counts.add(over_budget=1)
             return Staged.MISSING
         entry.tensor = _pinned(tensor)
         entry.nbytes = nbytes
         self._bytes += nbytes
-        self._staged += 1
+        self._counts.add(staged=1)
         return Staged.STAGED
 
 
