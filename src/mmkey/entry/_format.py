@@ -145,7 +145,7 @@ def _shape_at(flags: int) -> int:
     return _AUTH_END if flags & FLAG_AUTHENTICATED else _FIXED_SIZE
 
 
-def _header_size(ndim: int, key_len: int, flags: int = 0) -> int:
+def _header_size(ndim: int, key_len: int, flags: int) -> int:
     unpadded = _shape_at(flags) + 8 * ndim + key_len
     return -(-unpadded // HEADER_ALIGN) * HEADER_ALIGN
 
