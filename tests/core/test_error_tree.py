@@ -104,7 +104,7 @@ def test_the_docstring_draws_the_real_tree() -> None:
         ("mmkey._deadline", "CallTimeout", None),
         ("mmkey.cache.mooncake._transport", "TransferFailed", None),
         ("mmkey.integrations.sglang", "SGLangConfigError", ValueError),
-        ("mmkey.integrations.sglang._settings", "SGLangConfigError", ValueError),
+        ("mmkey.integrations.sglang._store_settings", "SGLangConfigError", ValueError),
         ("mmkey.integrations.sglang._pools", "UnknownBuffer", ValueError),
         ("mmkey.testing.mooncake_master", "MasterStartError", RuntimeError),
         ("mmkey.testing.fleet", "FleetStartError", RuntimeError),

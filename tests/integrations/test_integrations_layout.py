@@ -33,7 +33,7 @@ def imported_after(statement: str) -> set[str]:
         "import mmkey.integrations.sglang._spawn",  # what a spawned SGLang child imports first
         "from mmkey.integrations.sglang import sglang_key, namespace_from_env",
         "from mmkey.integrations.vllm import namespace_from_vllm_config",
-        "import mmkey.integrations.vllm._settings",
+        "import mmkey.integrations.vllm._connector_settings",
     ],
 )
 def test_importing_a_package_or_its_stack_free_parts_loads_no_stack(statement: str) -> None:

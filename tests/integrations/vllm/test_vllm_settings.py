@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from mmkey import EmbeddingKey, HashScheme, InvalidKey, Modality, identifier_digest
-from mmkey.integrations.vllm._settings import (
+from mmkey.integrations.vllm._connector_settings import (
     EXTRA_CONFIG_KEYS,
     ConnectorSettings,
     StoreKind,

@@ -17,7 +17,8 @@ import logging
 import os
 
 from mmkey.digest import HashScheme
-from mmkey.integrations.sglang._settings import (
+from mmkey.integrations.sglang._spawn import check_coverage, cover_spawned_encoders
+from mmkey.integrations.sglang._store_settings import (
     BACKEND_ENV,
     SGLangConfigError,
     check_sglang_version,
@@ -27,7 +28,6 @@ from mmkey.integrations.sglang._settings import (
     settings_from_env,
     switch_problem,
 )
-from mmkey.integrations.sglang._spawn import check_coverage, cover_spawned_encoders
 
 __all__ = ["BACKEND_NAME", "plugin_errors", "refuse_on_plugin_errors", "register_plugin", "registered"]
 

@@ -21,7 +21,7 @@ from mmkey.integrations.sglang._keys import sglang_key
 from mmkey.integrations.sglang._plugin import refuse_on_plugin_errors
 from mmkey.integrations.sglang._pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
 from mmkey.integrations.sglang._recent import RecentlyPresent
-from mmkey.integrations.sglang._settings import (
+from mmkey.integrations.sglang._store_settings import (
     BACKEND_ENV,
     HASH_ENV,
     SGLangConfigError,

@@ -16,15 +16,15 @@ from mmkey.cache.protocol import EmbeddingCache
 from mmkey.digest import HashScheme, Modality
 from mmkey.entry.auth import EntryKeyring
 from mmkey.integrations.vllm._announce import announce, read_announcement
-from mmkey.integrations.vllm._metadata import LoadItem, MMKeyECMetadata
-from mmkey.integrations.vllm._settings import (
+from mmkey.integrations.vllm._connector_settings import (
     ConnectorSettings,
     content_digest,
     identifier_key,
     modality_of,
     scoped_identifier_key,
 )
-from mmkey.integrations.vllm._staging import Staged, Stager, StagerCounts
+from mmkey.integrations.vllm._metadata import LoadItem, MMKeyECMetadata
+from mmkey.integrations.vllm._stager import Staged, Stager, StagerCounts
 from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:
