@@ -1,7 +1,7 @@
 """Entry codec and MemoryCache speed, side by side with the plain paths, in one run.
 
 Run: ``python benchmarks/bench_cache.py [--repeats N]``. The codec rows compare
-`encode_entry` with ``tobytes()`` and verified `decode_entry` with
+`encode_entry` with ``tobytes()`` and verified `verify` with
 ``torch.frombuffer(...).clone()`` on the same bf16 tensors (target: decode at least 0.8 of
 the plain path from 64 KiB to 8 MiB). The authenticated rows put entries signed with a
 fleet secret (BLAKE3 keyed MAC) beside unsigned ones, as the time ratio (target: verified
@@ -37,7 +37,7 @@ from mmkey import (
     Modality,
     mm_hash,
 )
-from mmkey.entry.codec import decode_entry, decode_entry_into, encode_entry
+from mmkey.entry.codec import encode_entry, verify
 
 ENTRY_SIZES = (64 << 10, 256 << 10, 1 << 20, 8 << 20)
 BATCHES = (1, 32, 1000)
@@ -101,7 +101,7 @@ def codec_table(repeats: int) -> None:
                 "tobytes": partial(plain_bytes, t),
                 "encode": partial(encode_entry, text, t),
                 "plain": partial(plain_decode, plain_bytes(t), t.shape),
-                "decode": partial(decode_entry, text, encode_entry(text, t)),
+                "decode": partial(verify, text, encode_entry(text, t)),
             },
             repeats,
         )
@@ -130,10 +130,8 @@ def auth_table(repeats: int) -> None:
             {
                 "encode": partial(encode_entry, text, t),
                 "signed": partial(encode_entry, text, t, keyring=KEYRING),
-                "decode": partial(decode_entry, text, encode_entry(text, t)),
-                "verified": partial(
-                    decode_entry, text, encode_entry(text, t, keyring=KEYRING), keyring=KEYRING
-                ),
+                "decode": partial(verify, text, encode_entry(text, t)),
+                "verified": partial(verify, text, encode_entry(text, t, keyring=KEYRING), keyring=KEYRING),
             },
             repeats,
         )
@@ -149,13 +147,13 @@ def auth_table(repeats: int) -> None:
 def verify_in_place_then_clone(text: str, entry: bytearray, keyring: EntryKeyring | None) -> object:
     """How reads verified before: hash the entry where it lies, then copy it out (a second
     read of memory a stranger can rewrite in between)."""
-    return decode_entry(text, entry, copy=False, keyring=keyring).clone()
+    return verify(text, entry, copy=False, keyring=keyring)[0].clone()
 
 
 def verify_in_place_then_copy_into(
     text: str, entry: bytearray, target: torch.Tensor, keyring: EntryKeyring | None
 ) -> None:
-    target.copy_(decode_entry(text, entry, copy=False, keyring=keyring))
+    target.copy_(verify(text, entry, copy=False, keyring=keyring)[0])
 
 
 def private_table(repeats: int) -> None:
@@ -176,9 +174,9 @@ def private_table(repeats: int) -> None:
             times = best_seconds(
                 {
                     "in place": partial(verify_in_place_then_clone, text, entry, ring),
-                    "private": partial(decode_entry, text, entry, keyring=ring),
+                    "private": partial(verify, text, entry, keyring=ring),
                     "into in place": partial(verify_in_place_then_copy_into, text, entry, target, ring),
-                    "into": partial(decode_entry_into, text, entry, target, keyring=ring),
+                    "into": partial(verify, text, entry, target, keyring=ring),
                 },
                 repeats,
             )

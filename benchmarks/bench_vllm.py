@@ -281,7 +281,7 @@ def main() -> None:
             )
 
             # -- content keys --------------------------------------------------------------------
-            from mmkey.integrations.vllm._settings import content_digest
+            from mmkey.integrations.vllm._connector_settings import content_digest
 
             print()
             print("| processed inputs of one image | content_digest (once per identifier) |")

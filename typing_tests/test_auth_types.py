@@ -10,7 +10,7 @@ from typing_extensions import assert_type
 
 from mmkey import EntryKeyring, EntrySecret, MemoryCache, MooncakeCache, MooncakeConfig
 from mmkey.entry.auth import FROM_ENV
-from mmkey.entry.codec import decode_entry, encode_entry, entry_size, verify_entry, verify_entry_into
+from mmkey.entry.codec import decode_entry, encode_entry, entry_size, verify, verify_entry, verify_entry_into
 from mmkey.errors import ForgedEntry
 
 
@@ -31,6 +31,10 @@ def keyrings_are_accepted(config: MooncakeConfig, t: torch.Tensor) -> None:
     assert_type(ring.current.not_after, datetime | None)
     assert_type(verify_entry("k", data, keyring=ring), tuple[torch.Tensor, bool])
     assert_type(verify_entry_into("k", data, t, keyring=ring), bool)
+    assert_type(verify("k", data, keyring=ring), tuple[torch.Tensor, bool])
+    assert_type(verify("k", bytearray(data), copy=False), tuple[torch.Tensor, bool])
+    assert_type(verify("k", data, t, keyring=ring), tuple[None, bool])
+    assert_type(verify("k", data, [t, t]), tuple[None, bool])
     try:
         decode_entry("k", data, keyring=ring)
     except ForgedEntry as exc:

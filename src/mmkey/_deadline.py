@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar, cast
 
-from mmkey.errors import StoreClosed, StoreError
+from mmkey.errors import CallTimeout, StoreClosed
 
 __all__ = ["Breaker", "Call", "CallTimeout", "DeadlineRunner"]
 
@@ -28,10 +28,6 @@ T = TypeVar("T")
 
 _QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
 _LOG = logging.getLogger("mmkey.cache")
-
-
-class CallTimeout(StoreError):
-    """A store call did not finish within its timeout (it may still finish later)."""
 
 
 class Call(Generic[T]):

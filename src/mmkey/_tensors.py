@@ -8,6 +8,7 @@ another thread; `plain_cpu` is the one normalisation shared by hashing and stori
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -51,20 +52,25 @@ def nbytes_of(t: torch.Tensor) -> int:
 
 
 def byte_view(t: torch.Tensor, *, writable: bool = False) -> memoryview:
-    """The bytes of a contiguous CPU tensor as a flat ``uint8`` memoryview, without a copy.
+    """The bytes of a CPU tensor (made contiguous first) as a flat ``uint8`` memoryview, without
+    a copy.
 
-    Any dtype, bf16 too: the bytes are reinterpreted, never converted. The view holds the
-    tensor's memory (through numpy, torch's own bridge), so it may outlive every other
-    reference to ``t``; read-only unless ``writable``. (The entry codec's views, borrowed for
-    the length of one call, are made by address instead: about 2 µs less each.)
+    Any dtype, bf16 too: the bytes are reinterpreted, never converted. The view is made by
+    address (about 3 µs less than through numpy) over a ctypes array that holds the tensor,
+    so it may outlive every other reference to ``t``; read-only unless ``writable``. The
+    array's length is the byte count rounded up to a power of two (so that only a few dozen
+    array types are ever made), and the view is cut back to the tensor's bytes.
     """
-    import torch
-
-    flat = t.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    array: Any = flat.numpy()  # shares the tensor's memory
-    view = memoryview(array)
+    if t.device.type != "cpu":
+        raise TypeError(f"byte_view() takes a CPU tensor, got one on {t.device}")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    nbytes = t.numel() * t.element_size()
+    array: Any = (ctypes.c_ubyte * (1 << (nbytes - 1).bit_length() if nbytes else 0)).from_address(
+        t.data_ptr()
+    )
+    array.tensor = t  # the view's exporter holds the memory
+    view = memoryview(array).cast("B")[:nbytes]
     return view if writable else view.toreadonly()
 
 

@@ -1,18 +1,47 @@
-"""The exceptions mmkey raises; every one derives from `MMKeyError`."""
+"""The exceptions mmkey raises; every one derives from `MMKeyError` and is defined here.
+
+The tree (a second base, where a class has one, in brackets; ``except ValueError`` and
+``except RuntimeError`` keep catching those)::
+
+    MMKeyError
+        InvalidKey [ValueError]
+            InvalidDigest
+        CorruptEntry
+            ForgedEntry
+        StoreError
+            StoreClosed
+            CallTimeout
+            TransferFailed
+        SGLangConfigError [ValueError]
+        UnknownBuffer [ValueError]
+        MasterStartError [RuntimeError]
+        FleetStartError [RuntimeError]
+        ShapingUnavailable [RuntimeError]
+
+The modules that raise one re-export it where it was imported from before
+(``mmkey.integrations.sglang``, ``mmkey.testing.fleet``, ...); the class is the same object.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
 __all__ = [
+    "CallTimeout",
     "CorruptEntry",
+    "FleetStartError",
     "ForgedEntry",
     "ForgedReason",
     "InvalidDigest",
     "InvalidKey",
     "MMKeyError",
+    "MasterStartError",
+    "SGLangConfigError",
+    "ShapingUnavailable",
     "StoreClosed",
     "StoreError",
+    "TransferFailed",
+    "UnknownBuffer",
 ]
 
 
@@ -59,3 +88,31 @@ class StoreError(MMKeyError):
 
 class StoreClosed(StoreError):
     """The cache was closed (or never set up); open a new one."""
+
+
+class CallTimeout(StoreError):
+    """A store call did not finish within its timeout (it may still finish later)."""
+
+
+class TransferFailed(StoreError):
+    """A transfer reached the master but not the holder (Mooncake's TRANSFER_FAIL codes)."""
+
+
+class SGLangConfigError(MMKeyError, ValueError):
+    """The SGLang integration is switched on but cannot run as configured; says the fix."""
+
+
+class UnknownBuffer(MMKeyError, ValueError):
+    """An SGLang transfer names memory outside every registered pool, or not whole rows of one."""
+
+
+class MasterStartError(MMKeyError, RuntimeError):
+    """The testing kit's master did not become ready; the message carries the tail of its log."""
+
+
+class FleetStartError(MMKeyError, RuntimeError):
+    """A testing-kit holder (or the test network) did not come up; the message carries its log tail."""
+
+
+class ShapingUnavailable(MMKeyError, RuntimeError):
+    """The kernel lacks the queueing discipline a test fleet asked for (``netem`` in many VMs)."""

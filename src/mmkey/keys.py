@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 import operator
 import re
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from itertools import repeat
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -179,26 +178,14 @@ class EmbeddingKey:
         first = cls(namespace, modality, scheme, items[0])
         if cls is not EmbeddingKey:
             return [first] + [cls(namespace, modality, scheme, d) for d in items[1:]]
-        prefix = first._text[: -scheme.hex_width]
-        width = _DIGEST_BYTES[scheme]
-        limit = 1 << scheme.bits
         rest = items[1:]
-        if rest and set(map(type, rest)) == {int} and min(rest) >= 0 and max(rest) < limit:
-            return [first, *_trusted_keys(namespace, modality, scheme, rest, prefix, width)]
-        keys = [first]
-        new, set_ = object.__new__, object.__setattr__
-        for digest in rest:
-            if type(digest) is not int or not 0 <= digest < limit:
-                mm_hash(digest, scheme)  # raises the precise error
-                digest = MMHash(int(digest))  # an int subclass: store the plain int
-            key = new(cls)
-            set_(key, "namespace", namespace)
-            set_(key, "modality", modality)
-            set_(key, "scheme", scheme)
-            set_(key, "digest", digest)
-            set_(key, "_text", prefix + digest.to_bytes(width, "big").hex())
-            keys.append(key)
-        return keys
+        limit = 1 << scheme.bits
+        if not (rest and set(map(type, rest)) == {int} and min(rest) >= 0 and max(rest) < limit):
+            rest = [mm_hash(d, scheme) for d in rest]  # the precise error; plain ints
+        prefix = first._text[: -scheme.hex_width]
+        hex_digits = map(bytes.hex, map(int.to_bytes, rest, repeat(_DIGEST_BYTES[scheme]), repeat(_BIG)))
+        texts = map(prefix.__add__, hex_digits)
+        return [first, *map(_unchecked, repeat(namespace), repeat(modality), repeat(scheme), rest, texts)]
 
     @classmethod
     def from_key(cls, text: str) -> EmbeddingKey:
@@ -228,39 +215,29 @@ class EmbeddingKey:
         if cls is not EmbeddingKey:
             return cls(namespace, _MODALITIES[modality], scheme, MMHash(int(hex_digest, 16)))
         # every part is checked above: skip the validators on this hot path
-        key = object.__new__(cls)
-        _set = object.__setattr__
-        _set(key, "namespace", namespace)
-        _set(key, "modality", _MODALITIES[modality])
-        _set(key, "scheme", scheme)
-        _set(key, "digest", int(hex_digest, 16))
-        _set(key, "_text", text)
-        return key
+        return _unchecked(namespace, _MODALITIES[modality], scheme, MMHash(int(hex_digest, 16)), text)
 
 
 _BIG: Literal["big"] = "big"
-_SLOT = {name: EmbeddingKey.__dict__[name] for name in ("namespace", "modality", "scheme", "digest", "_text")}
+_NEW = object.__new__
+_SET_NAMESPACE, _SET_MODALITY, _SET_SCHEME, _SET_DIGEST, _SET_TEXT = (
+    EmbeddingKey.__dict__[name].__set__ for name in ("namespace", "modality", "scheme", "digest", "_text")
+)
 
 
-def _trusted_keys(
-    namespace: str,
-    modality: Modality,
-    scheme: HashScheme,
-    digests: Sequence[int],
-    prefix: str,
-    width: int,
-) -> list[EmbeddingKey]:
-    """Keys for already-checked parts and in-range plain-int digests, built field by field
-    in C-level loops (no Python step per key); `prefix` is their shared key text before
-    the digest, `width` the digest's width in bytes."""
-    count = len(digests)
-    keys: list[EmbeddingKey] = list(map(object.__new__, repeat(EmbeddingKey, count)))
-    for name, value in (("namespace", namespace), ("modality", modality), ("scheme", scheme)):
-        deque(map(_SLOT[name].__set__, keys, repeat(value, count)), maxlen=0)
-    deque(map(_SLOT["digest"].__set__, keys, digests), maxlen=0)
-    hex_digits = map(bytes.hex, map(int.to_bytes, digests, repeat(width), repeat(_BIG)))
-    deque(map(_SLOT["_text"].__set__, keys, map(prefix.__add__, hex_digits)), maxlen=0)
-    return keys
+def _unchecked(
+    namespace: str, modality: Modality, scheme: HashScheme, digest: MMHash, text: str
+) -> EmbeddingKey:
+    """The key of parts its caller has checked, `text` being their key text: the validators and
+    the text's building skipped (the one road around them; ``from_key`` and ``for_digests``
+    take it, a few times faster than the constructor)."""
+    key: EmbeddingKey = _NEW(EmbeddingKey)
+    _SET_NAMESPACE(key, namespace)
+    _SET_MODALITY(key, modality)
+    _SET_SCHEME(key, scheme)
+    _SET_DIGEST(key, digest)
+    _SET_TEXT(key, text)
+    return key
 
 
 def _explain_mismatch(text: str) -> str:

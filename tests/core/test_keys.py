@@ -165,6 +165,19 @@ def test_for_digests_builds_the_same_keys_as_the_constructor() -> None:
     assert EmbeddingKey.for_digests("m", Modality.IMAGE, HashScheme.SGLANG, []) == []
 
 
+class _Digest(int):
+    """An int subclass, as a numpy or custom digest type may be."""
+
+
+def test_for_digests_stores_plain_int_digests_of_int_subclasses() -> None:
+    digests = [mm_hash(7), _Digest(8), _Digest(2**64 - 1)]
+    keys = EmbeddingKey.for_digests("m", Modality.IMAGE, HashScheme.SGLANG, digests)  # type: ignore[arg-type]
+    assert keys == [EmbeddingKey("m", Modality.IMAGE, HashScheme.SGLANG, mm_hash(d)) for d in digests]
+    assert [type(k.digest) for k in keys] == [int, int, int]
+    assert [k.to_key() for k in keys] == [EmbeddingKey.from_key(k.to_key()).to_key() for k in keys]
+    assert keys[2].to_key().endswith("@" + "f" * 16)
+
+
 @pytest.mark.parametrize(
     ("parts", "digests", "error"),
     [

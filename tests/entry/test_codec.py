@@ -15,9 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mmkey import CorruptEntry, EmbeddingKey, HashScheme, InvalidKey, Modality, mm_hash
+from mmkey.entry._format import _CHUNK, _DIGEST_AT
 from mmkey.entry.codec import (
-    _CHUNK,
-    _DIGEST_AT,
     DTYPE_CODES,
     HEADER_ALIGN,
     MAGIC,

@@ -20,7 +20,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import mmkey.entry.codec as codec
+import mmkey.entry._encode as codec_encode
 from mmkey import CorruptEntry, EntryKeyring, InvalidKey
 from mmkey.entry.codec import (
     DTYPE_CODES,
@@ -30,6 +30,9 @@ from mmkey.entry.codec import (
     encode_entry,
     entry_header,
     peek_header,
+    verify,
+    verify_entry,
+    verify_entry_into,
 )
 from mmkey.errors import ForgedEntry
 from mmkey.testing.strategies import key_texts
@@ -48,9 +51,9 @@ NOW = 1_796_000_000
 
 @pytest.fixture(autouse=True, scope="module")
 def fixed_clock() -> Iterator[None]:
-    real, codec._clock = codec._clock, lambda: NOW
+    real, codec_encode._clock = codec_encode._clock, lambda: NOW
     yield
-    codec._clock = real
+    codec_encode._clock = real
 
 
 DTYPE_NAMES = tuple(name for name in DTYPE_CODES if isinstance(getattr(torch, name, None), torch.dtype))
@@ -502,3 +505,30 @@ def test_tensors_of_another_layout_are_type_errors_and_write_nothing(
     with pytest.raises(TypeError, match="layout|sparse|mkldnn"):
         decode_entry_into(KEY, written(), [good, make(), torch.zeros(3, 4)])
     assert not good.any()
+
+
+def test_verify_is_the_one_read_and_the_old_names_are_its_aliases() -> None:
+    want = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    signed = encode_entry(KEY, want, keyring=RING)
+    plain = encode_entry(KEY, want)
+    got, unsigned = verify(KEY, signed, keyring=RING)
+    assert torch.equal(got, want) and unsigned is False
+    assert verify(KEY, plain, keyring=MIGRATING)[1] is True
+    alias, data = verify(KEY, bytearray(plain), copy=False), bytearray(plain)
+    assert torch.equal(alias[0], want) and alias[1] is False
+    view = verify(KEY, data, copy=False)[0]
+    data[-4:] = torch.tensor([-1.0]).numpy().tobytes()
+    assert view[2, 3] == -1.0  # a view of the caller's buffer, as asked
+    runs = [torch.zeros(1, 4), torch.zeros(2, 4)]
+    assert verify(KEY, plain, runs) == (None, False)
+    assert torch.equal(torch.cat(runs), want)
+    assert verify(KEY, plain, torch.zeros(3, 4), keyring=MIGRATING) == (None, True)
+    with pytest.raises(ValueError, match="leave copy=True with into"):
+        verify(KEY, plain, torch.zeros(3, 4), copy=False)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"verify\(\) takes its into"):
+        verify(KEY, plain, 5)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"decode_entry_into\(\) takes its targets"):
+        decode_entry_into(KEY, plain, None)  # type: ignore[arg-type]
+    assert torch.equal(decode_entry(KEY, signed, keyring=RING), want)
+    assert verify_entry_into(KEY, plain, torch.zeros(3, 4), keyring=MIGRATING) is True
+    assert [(torch.equal(t, want), u) for t, u in [verify_entry(KEY, plain)]] == [(True, False)]

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-import mmkey.entry.codec as codec
+import mmkey.entry._format as codec_format
+import mmkey.entry._verify as codec_verify
 from mmkey import CorruptEntry, EntryKeyring, ForgedEntry
 from mmkey.entry.codec import (
     decode_entry,
@@ -33,7 +34,7 @@ from mmkey.entry.codec import (
 KEY = "mmk1@qwen2-vl-7b@image@blake3@000000000000000000000000000000b1"
 RING = EntryKeyring.from_secrets(hashlib.sha256(b"private bytes tests").digest())
 STRANGER = 0x5A
-SIZES = [16, codec._CHUNK // 4, codec._CHUNK + 4096, 3 * codec._CHUNK]
+SIZES = [16, codec_format._CHUNK // 4, codec_format._CHUNK + 4096, 3 * codec_format._CHUNK]
 """Payload floats: less than a chunk, one chunk, more than one, several."""
 
 
@@ -45,14 +46,14 @@ def genuine(n: int) -> torch.Tensor:
 def on_hash(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Callable[[], None]]]:
     """Hooks run on every payload hash update of the MAC, before (index 0) or after (1) it."""
     hooks: list[Callable[[], None]] = [lambda: None, lambda: None]
-    real = codec._Mac.update
+    real = codec_format._Mac.update
 
     def update(self: Any, payload: Any) -> None:
         hooks[0]()
         real(self, payload)
         hooks[1]()
 
-    monkeypatch.setattr(codec._Mac, "update", update)
+    monkeypatch.setattr(codec_format._Mac, "update", update)
     yield hooks
 
 
@@ -104,7 +105,7 @@ def test_targets_stay_untouched_when_the_stranger_wins(n: int, on_hash: list[Cal
     except ForgedEntry:
         assert bool((target == -1.0).all())
     else:  # one chunk: copied before the stranger wrote, and that copy is what was hashed
-        assert n * 4 <= codec._CHUNK and torch.equal(target, genuine(n))
+        assert n * 4 <= codec_format._CHUNK and torch.equal(target, genuine(n))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -133,14 +134,14 @@ def test_the_header_is_read_once_from_a_private_copy(monkeypatch: pytest.MonkeyP
     """A shape changed in the buffer after the header was parsed never shapes the result."""
     want = genuine(64).reshape(8, 8)
     entry = bytearray(encode_entry(KEY, want, keyring=RING))
-    real = codec._parse
+    real = codec_verify._parse
 
     def parse_then_rewrite(header: bytes, size: int, rt: Any) -> Any:
         parsed = real(header, size, rt)
         entry[88:104] = (b"\x10" + bytes(7)) + (b"\x04" + bytes(7))  # shape (16, 4) in the buffer
         return parsed
 
-    monkeypatch.setattr(codec, "_parse", parse_then_rewrite)
+    monkeypatch.setattr(codec_verify, "_parse", parse_then_rewrite)
     got = decode_entry(KEY, entry, keyring=RING)
     assert got.shape == (8, 8) and torch.equal(got, want)
 
@@ -149,11 +150,11 @@ def test_without_a_keyring_changed_bytes_are_corrupt_never_served(
     on_hash: list[Callable[[], None]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The checksum path copies before it hashes too."""
-    want = genuine(codec._CHUNK)
+    want = genuine(codec_format._CHUNK)
     entry = bytearray(encode_entry(KEY, want))
     head = peek_header(entry).header_size
     hashed: list[int] = []
-    real = codec._copy_hashing
+    real = codec_verify._copy_hashing
 
     def copy_hashing(target: memoryview, source: memoryview, hasher: Any) -> None:
         class Spy:
@@ -164,7 +165,7 @@ def test_without_a_keyring_changed_bytes_are_corrupt_never_served(
 
         real(target, source, Spy())
 
-    monkeypatch.setattr(codec, "_copy_hashing", copy_hashing)
+    monkeypatch.setattr(codec_verify, "_copy_hashing", copy_hashing)
     try:
         got = decode_entry(KEY, entry)
     except CorruptEntry:

@@ -24,6 +24,8 @@ import xxhash
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import mmkey.entry._encode as codec_encode
+import mmkey.entry._format as codec_format
 import mmkey.entry.codec as codec
 from mmkey import (
     CorruptEntry,
@@ -171,7 +173,7 @@ def test_golden_authenticated_entry_still_verifies() -> None:
 
 
 def test_golden_entry_with_an_issue_time_never_changes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(codec, "_clock", lambda: 1_796_000_000.5)
+    monkeypatch.setattr(codec_encode, "_clock", lambda: 1_796_000_000.5)
     key, ring = GOLDEN_KEY, GOLDEN_RING
     data = encode_entry(key, torch.tensor([1, -2], dtype=torch.int16), keyring=ring)
     assert (
@@ -206,7 +208,7 @@ def test_unauthenticated_entries_are_unchanged_by_a_keyring_elsewhere() -> None:
     assert struct.unpack_from("<B", encode_entry(TEXT, t), 7) == (0,)
 
 
-@pytest.mark.parametrize("payload", [0, 4, codec._CHUNK, codec._CHUNK + 64, 1 << 21])
+@pytest.mark.parametrize("payload", [0, 4, codec_format._CHUNK, codec_format._CHUNK + 64, 1 << 21])
 def test_round_trips_on_every_copy_path(payload: int) -> None:
     t = sample((payload,), dtype=torch.uint8)
     data = encode_entry(TEXT, t, keyring=RING)
@@ -603,9 +605,9 @@ def test_migrate_serves_unsigned_entries_until_its_end_and_counts_them() -> None
     soon = dt.datetime.now(UTC) + dt.timedelta(seconds=2)
     ring = attrs.evolve(RING, migrate_until=soon)
     assert ring.serves_unsigned()
-    assert codec.verify_entry(TEXT, plain, keyring=ring)[1] is True  # served, said unsigned
+    assert codec.verify(TEXT, plain, keyring=ring)[1] is True  # served, said unsigned
     signed = encode_entry(TEXT, t, keyring=ring)
-    assert codec.verify_entry(TEXT, signed, keyring=ring)[1] is False
+    assert codec.verify(TEXT, signed, keyring=ring)[1] is False
     assert not ring.serves_unsigned(soon.timestamp() + 0.001)
     past = attrs.evolve(RING, migrate_until=dt.datetime.now(UTC) - dt.timedelta(seconds=1))
     with pytest.raises(ForgedEntry) as info:
@@ -623,7 +625,7 @@ def test_previous_secrets_expire(monkeypatch: pytest.MonkeyPatch) -> None:
     t = sample((4,), 5)
     legit = encode_entry(TEXT, t, keyring=old_ring)
     assert same(decode_entry(TEXT, legit, keyring=rotated), t)
-    monkeypatch.setattr(codec, "_clock", lambda: now + 7200)  # a forger with the old secret
+    monkeypatch.setattr(codec_encode, "_clock", lambda: now + 7200)  # a forger with the old secret
     late = encode_entry(TEXT, t, keyring=old_ring)
     with pytest.raises(ForgedEntry, match="expired") as info:
         decode_entry(TEXT, late, keyring=rotated)

@@ -13,7 +13,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from mmkey.integrations.sglang._settings import TESTED_SGLANG, SGLangConfigError, check_sglang_version
+from mmkey.integrations.sglang._store_settings import TESTED_SGLANG, SGLangConfigError, check_sglang_version
 
 ROOT = Path(__file__).parents[2]
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from mmkey.cache._guard import insert_args, key_texts
 from mmkey.cache.protocol import CacheStats
 from mmkey.entry.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
-from mmkey.entry.codec import encode_entry, verify_entry
+from mmkey.entry.codec import encode_entry, verify
 from mmkey.errors import CorruptEntry, ForgedEntry, StoreClosed
 from mmkey.keys import CacheKey
 
@@ -98,7 +98,7 @@ class MemoryCache:
                 results.append(None)
                 continue
             try:
-                tensor, served_unsigned = verify_entry(text, entry, keyring=self._keyring)
+                tensor, served_unsigned = verify(text, entry, keyring=self._keyring)
             except CorruptEntry as exc:
                 if isinstance(exc, ForgedEntry):
                     forged += 1

@@ -21,6 +21,7 @@ import psutil
 
 from mmkey.cache.mooncake._master_http import read_health
 from mmkey.cache.mooncake._net import port_accepts
+from mmkey.errors import MasterStartError
 from mmkey.testing._process import POLL_S, ManagedProcess, make_workdir, remove_workdir
 
 __all__ = [
@@ -38,10 +39,6 @@ HOST = "127.0.0.1"
 """The only interface the test master listens on."""
 
 _PORT_ATTEMPTS = 5
-
-
-class MasterStartError(RuntimeError):
-    """The master did not become ready; the message carries the tail of its log."""
 
 
 class _EarlyExit(Exception):

@@ -265,3 +265,36 @@ def test_rpc_only_cannot_move_an_entry_through_the_binding(mooncake_master_sessi
     )
     assert "round trip" not in done.stdout
     assert done.returncode != 0  # 0.3.13.post1: a segmentation fault in setup
+
+
+def test_read_fields_takes_each_fields_first_source_that_has_it() -> None:
+    from mmkey.cache.mooncake.config import FILE, Env, Source, read_fields
+
+    table: dict[str, tuple[Source, ...]] = {
+        "a": (Env("A"), FILE),
+        "b": (FILE, Env("B", without_file=True)),
+        "c": (Env("C1"), Env("C2"), FILE),
+        "d": (Env("D"),),
+    }
+    env = {"A": "env-a", "B": "env-b", "C1": "", "C2": "env-c2", "D": ""}
+    assert read_fields(table, env, None) == {"a": "env-a", "b": "env-b", "c": "env-c2"}
+    assert read_fields(table, env, {"a": "f", "c": "f", "d": "f"}) == {"a": "env-a", "c": "env-c2"}
+    assert read_fields(table, {}, {"a": 0, "b": "", "x": 1}) == {"a": 0, "b": ""}  # any file value counts
+
+
+def test_from_env_precedence_keyword_then_variable_then_file_then_default(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(
+        json.dumps({"master_server_address": "127.0.0.1:1", "protocol": "rdma", "device_name": "d0"})
+    )
+    env = {
+        "MOONCAKE_CONFIG_PATH": str(path),
+        "MOONCAKE_PROTOCOL": "tcp",
+        "MOONCAKE_DEVICE": "",
+        "MMKEY_CLAIM_WAIT": "3",
+    }
+    config = MooncakeConfig.from_env(env, master_server_address="127.0.0.1:2")
+    assert config.master_server_address == "127.0.0.1:2"  # the keyword
+    assert config.protocol == "tcp" and config.device_name == "d0"  # the variable, the file
+    assert config.tenant_id == "default" and config.claim_wait == 3.0  # the default, mmkey's variable
+    assert MooncakeConfig.from_env(env, claim_wait=0.5).claim_wait == 0.5

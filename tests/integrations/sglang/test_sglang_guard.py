@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import _mmkey_sglang_guard as guard
-from mmkey.integrations.sglang import _plugin, _settings
+from mmkey.integrations.sglang import _plugin, _store_settings
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -40,8 +40,8 @@ def first_finder() -> guard._Guard:
 
 
 def test_the_plugin_reads_the_switch_with_the_guards_own_function() -> None:
-    assert _settings.opted_in is guard.opted_in
-    assert guard._SWITCH == _settings.BACKEND_ENV
+    assert _store_settings.opted_in is guard.opted_in
+    assert guard._SWITCH == _store_settings.BACKEND_ENV
 
 
 def test_opted_in_an_unregistered_process_cannot_import_sglangs_backend(

@@ -225,7 +225,7 @@ def test_an_sglang_version_outside_the_tested_range_refuses_to_start(
 def test_the_tested_version_is_the_installed_one() -> None:
     import sglang
 
-    from mmkey.integrations.sglang._settings import check_sglang_version
+    from mmkey.integrations.sglang._store_settings import check_sglang_version
 
     check_sglang_version(sglang.__version__)  # the environment tests the version the extra allows
 

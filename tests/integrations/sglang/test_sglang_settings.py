@@ -1,4 +1,4 @@
-"""The SGLang integration's settings (mmkey.integrations.sglang._settings): the switch, the hash
+"""The SGLang integration's settings (mmkey.integrations.sglang._store_settings): the switch, the hash
 mode, SGLang's version, and the Mooncake configuration read as SGLang's own backend reads it.
 
 Needs no SGLang: these run in every environment.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mmkey import HashScheme
-from mmkey.integrations.sglang._settings import (
+from mmkey.integrations.sglang._store_settings import (
     SGLangConfigError,
     check_sglang_version,
     config_from_env,

@@ -34,9 +34,9 @@ import mmkey.integrations.vllm._connector as connector_module  # noqa: E402
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig  # noqa: E402
 from mmkey.cache.protocol import Claim  # noqa: E402
 from mmkey.integrations.vllm import MMKeyECConnector, MMKeyECMetadata  # noqa: E402
+from mmkey.integrations.vllm._connector_settings import content_digest  # noqa: E402
 from mmkey.integrations.vllm._metadata import MMKeyECWorkerMetadata  # noqa: E402
-from mmkey.integrations.vllm._settings import content_digest  # noqa: E402
-from mmkey.integrations.vllm._staging import Staged, Stager  # noqa: E402
+from mmkey.integrations.vllm._stager import Staged, Stager  # noqa: E402
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 

@@ -35,8 +35,8 @@ from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 import mmkey.integrations.vllm._connector as connector_module  # noqa: E402
 from mmkey import EmbeddingKey, HashScheme, Modality  # noqa: E402
 from mmkey.integrations.vllm import MMKeyECConnector, MMKeyECMetadata  # noqa: E402
-from mmkey.integrations.vllm._settings import content_digest  # noqa: E402
-from mmkey.integrations.vllm._staging import Staged  # noqa: E402
+from mmkey.integrations.vllm._connector_settings import content_digest  # noqa: E402
+from mmkey.integrations.vllm._stager import Staged  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
 if TYPE_CHECKING:

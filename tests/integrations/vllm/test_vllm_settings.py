@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from mmkey import EmbeddingKey, HashScheme, InvalidKey, Modality, identifier_digest
-from mmkey.integrations.vllm._settings import (
+from mmkey.integrations.vllm._connector_settings import (
     EXTRA_CONFIG_KEYS,
     ConnectorSettings,
     StoreKind,
@@ -125,6 +125,8 @@ def test_extra_config_defaults_and_values() -> None:
     assert settings.namespace == "qwen@r1" and settings.store is StoreKind.MEMORY
     assert settings.memory_max_bytes == 64 << 20 and settings.max_pending_save_bytes == 1024
     assert settings.mooncake == {"timeout": 0.25}
+    assert ConnectorSettings.from_extra_config({"producer_wait_s": 0}).producer_wait_s == 0.0
+    assert type(ConnectorSettings.from_extra_config({"producer_wait_s": 5}).producer_wait_s) is float
     assert "namespace" in EXTRA_CONFIG_KEYS
 
 
@@ -141,6 +143,11 @@ def test_extra_config_defaults_and_values() -> None:
         ({"memory_max_bytes": 0}, ValueError, "> 0"),
         ({"max_pending_save_bytes": "lots"}, ValueError, "size"),
         ({"max_pending_save_bytes": 1.5}, TypeError, "size text"),
+        ({"store": 5}, ValueError, r"\['store'\] must be one of"),
+        ({"producer_wait_s": True}, TypeError, "seconds"),
+        ({"producer_wait_s": "2"}, TypeError, "seconds"),
+        ({"producer_wait_s": 61}, ValueError, "0-60"),
+        ({"producer_wait_s": -0.5}, ValueError, "0-60"),
     ],
 )
 def test_bad_extra_config_is_refused_naming_the_fix(

@@ -38,8 +38,7 @@ from mmkey.entry.codec import (
     encode_entry,
     largest_entry_size,
     payload_runs,
-    verify_entry,
-    verify_entry_into,
+    verify,
 )
 from mmkey.errors import CorruptEntry, StoreClosed, StoreError
 from mmkey.keys import CacheKey
@@ -275,7 +274,7 @@ class MooncakeCache:
             unsigned = False
             for i in by_text[text]:
                 try:
-                    unsigned = verify_entry_into(text, raw, plans[i], keyring=self._keyring)
+                    _, unsigned = verify(text, raw, plans[i], keyring=self._keyring)
                 except CorruptEntry as exc:  # ForgedEntry included
                     refused = exc
                 else:
@@ -455,7 +454,7 @@ class MooncakeCache:
         """A read sink (`_reads.Sink`) that decodes into `found`: a private copy of exactly
         the bytes verified."""
         try:
-            found[text], unsigned = verify_entry(text, raw, keyring=self._keyring)
+            found[text], unsigned = verify(text, raw, keyring=self._keyring)
         except CorruptEntry as exc:  # ForgedEntry included
             self._reader.refused(exc)
             return False

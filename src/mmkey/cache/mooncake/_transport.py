@@ -35,7 +35,7 @@ from mmkey.cache.mooncake._ping import master_answers
 from mmkey.cache.mooncake._quarantine import Quarantine
 from mmkey.cache.mooncake._staging import ReadSlots, Staging
 from mmkey.cache.mooncake.config import MooncakeConfig
-from mmkey.errors import StoreClosed, StoreError
+from mmkey.errors import StoreClosed, StoreError, TransferFailed
 
 if TYPE_CHECKING:
     import torch
@@ -78,10 +78,6 @@ ALREADY_EXISTS = -705
 that another client has a session open on (measured, mooncake 0.3.13)."""
 TRANSFER_FAILURES = range(-899, -799)
 """Codes of a transfer that reached the master but not the holder (TRANSFER_FAIL, -800...)."""
-
-
-class TransferFailed(StoreError):
-    """A transfer reached the master but not the holder (Mooncake's TRANSFER_FAIL codes)."""
 
 
 def out_of_time(give_up: float) -> None:

@@ -14,6 +14,7 @@ nothing. Every write asks the store for ``config.replica_num`` copies.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections import deque
@@ -53,11 +54,7 @@ def _as_stored(outcomes: dict[str, Added]) -> dict[str, bool]:
 
 def _offsets(sizes: list[int]) -> list[int]:
     """Where each of an entry's buffers lands in the entry: the sizes before it, summed."""
-    at, offsets = 0, []
-    for size in sizes:
-        offsets.append(at)
-        at += size
-    return offsets
+    return list(itertools.accumulate(sizes, initial=0))[:-1]
 
 
 def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, list[torch.Tensor]]]:

@@ -6,14 +6,26 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import attrs
 
 from mmkey.cache.mooncake._net import check_address_field
 
-__all__ = ["MooncakeConfig", "parse_replica_num", "parse_size", "read_json_config"]
+__all__ = [
+    "ENV_TABLE",
+    "FILE",
+    "MMKEY_ENV",
+    "MOONCAKE_ENV",
+    "Env",
+    "MooncakeConfig",
+    "Source",
+    "parse_replica_num",
+    "parse_size",
+    "read_fields",
+    "read_json_config",
+]
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(kb|mb|gb|tb|k|m|g|t|b)?", re.ASCII | re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -189,30 +201,28 @@ class MooncakeConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> MooncakeConfig:
-        """Read Mooncake's own variables: ``MOONCAKE_CONFIG_PATH`` (a JSON file with these
-        field names) or ``MOONCAKE_MASTER`` plus ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
-        ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``,
-        ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_TENANT_ID``,
-        and ``MOONCAKE_REPLICA_NUM`` (the name Mooncake's deployment scripts use; the binding
-        itself reads no variable for it); and mmkey's ``MMKEY_TRUSTED_NETWORK`` (0 or 1) and
-        ``MMKEY_MAX_ENTRY_SIZE`` and ``MMKEY_CLAIM_WAIT`` (seconds). Keyword overrides win."""
+        """Read Mooncake's own variables (``MOONCAKE_*``, named in `MOONCAKE_ENV`; ``MOONCAKE_REPLICA_NUM``
+        is the name Mooncake's deployment scripts use, the binding itself reads no variable
+        for it), the JSON file ``MOONCAKE_CONFIG_PATH`` names (these field names), and mmkey's
+        ``MMKEY_TRUSTED_NETWORK`` (0 or 1), ``MMKEY_MAX_ENTRY_SIZE`` and ``MMKEY_CLAIM_WAIT``
+        (seconds). An empty variable counts as unset. Each field, first found first
+        (`read_fields` with `ENV_TABLE`)::
+
+            field                      keyword   variable                       file   default
+            Mooncake's nine fields     1         2 (MOONCAKE_*)                 3      4
+            trusted_network,           1         2 (MMKEY_TRUSTED_NETWORK, ...)  -     3
+              max_entry_size, claim_wait
+
+        `ValueError` when nothing names a master."""
         env = os.environ if environ is None else environ
-        fields: dict[str, Any] = {}
         path = env.get("MOONCAKE_CONFIG_PATH")
-        if path:
-            fields.update(_read_config_file(path))
-        for var, name in _ENV_FIELDS.items():
-            if env.get(var):
-                fields[name] = env[var]
+        fields = read_fields(ENV_TABLE, env, read_json_config(path) if path else None)
         fields.update(overrides)
         if "master_server_address" not in fields:
             raise ValueError(
                 "no Mooncake master configured: set MOONCAKE_MASTER=host:port "
                 "(or MOONCAKE_CONFIG_PATH to a JSON config file)"
             )
-        for var, name in _MMKEY_FIELDS.items():
-            if env.get(var) and name not in overrides:
-                fields[name] = env[var]
         if isinstance(fields.get("trusted_network"), str):
             flag = fields["trusted_network"]
             if flag not in ("0", "1"):
@@ -240,25 +250,64 @@ class MooncakeConfig:
         )
 
 
-_ENV_FIELDS = {
-    "MOONCAKE_MASTER": "master_server_address",
-    "MOONCAKE_PROTOCOL": "protocol",
-    "MOONCAKE_DEVICE": "device_name",
-    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
-    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
-    "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
-    "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
-    "MOONCAKE_TENANT_ID": "tenant_id",
-    "MOONCAKE_REPLICA_NUM": "replica_num",
+MOONCAKE_ENV = {
+    "master_server_address": "MOONCAKE_MASTER",
+    "protocol": "MOONCAKE_PROTOCOL",
+    "device_name": "MOONCAKE_DEVICE",
+    "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
+    "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+    "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
+    "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
+    "tenant_id": "MOONCAKE_TENANT_ID",
+    "replica_num": "MOONCAKE_REPLICA_NUM",
 }
-_MMKEY_FIELDS = {
-    "MMKEY_TRUSTED_NETWORK": "trusted_network",
-    "MMKEY_MAX_ENTRY_SIZE": "max_entry_size",
-    "MMKEY_CLAIM_WAIT": "claim_wait",
+"""Mooncake's variable of each of its fields (a config file holds the same fields by name)."""
+MMKEY_ENV = {
+    "trusted_network": "MMKEY_TRUSTED_NETWORK",
+    "max_entry_size": "MMKEY_MAX_ENTRY_SIZE",
+    "claim_wait": "MMKEY_CLAIM_WAIT",
 }
 """mmkey's own settings of a Mooncake cache (not Mooncake's: never in its config file)."""
-_FILE_FIELDS = frozenset(_ENV_FIELDS.values())
-"""A config file holds the same fields as the environment variables, by Mooncake's names."""
+
+
+@attrs.frozen(slots=True)
+class Env:
+    """A source of a field: the variable `name`, when set and not empty (and, with
+    ``without_file``, only where no config file is given)."""
+
+    name: str
+    without_file: bool = False
+
+
+FILE: Literal["file"] = "file"
+"""A source of a field: the config file's value of it, when the file has the field."""
+
+Source = Env | Literal["file"]
+
+ENV_TABLE: Mapping[str, Sequence[Source]] = {
+    **{name: (Env(var), FILE) for name, var in MOONCAKE_ENV.items()},
+    **{name: (Env(var),) for name, var in MMKEY_ENV.items()},
+}
+"""`MooncakeConfig.from_env`'s sources of each field, first found first."""
+
+
+def read_fields(
+    table: Mapping[str, Sequence[Source]], environ: Mapping[str, str], file: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Each field of `table` from the first of its sources that has it (fields none has are
+    left out, for a default): the one reader of a Mooncake configuration from variables and
+    a config file's fields (`file`, ``None`` when no file is given)."""
+    fields: dict[str, Any] = {}
+    for name, sources in table.items():
+        for source in sources:
+            if source == FILE:
+                if file is not None and name in file:
+                    fields[name] = file[name]
+                    break
+            elif environ.get(source.name) and not (source.without_file and file is not None):
+                fields[name] = environ[source.name]
+                break
+    return fields
 
 
 def read_json_config(path: str, variable: str = "MOONCAKE_CONFIG_PATH") -> dict[str, Any]:
@@ -290,7 +339,3 @@ def parse_replica_num(value: object) -> object:
     if not (text.isascii() and text.isdigit()):
         raise ValueError(f"MOONCAKE_REPLICA_NUM must be a whole number >= 1, got {text!r}")
     return int(text)
-
-
-def _read_config_file(path: str) -> dict[str, Any]:
-    return {k: v for k, v in read_json_config(path).items() if k in _FILE_FIELDS}

@@ -5,7 +5,7 @@ SGLang builds its store with no arguments, so this one configures itself from th
 environment: ``MMKEY_NAMESPACE`` (required: the model, revision and preprocessing whose
 embeddings it holds), the Mooncake configuration SGLang's own Mooncake backend reads
 (``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or the ``MOONCAKE_*`` variables, with SGLang's
-defaults; see `mmkey.integrations.sglang._settings`) and ``MMKEY_TIMEOUT`` (seconds one
+defaults; see `mmkey.integrations.sglang._store_settings`) and ``MMKEY_TIMEOUT`` (seconds one
 store call may block SGLang's I/O thread, default 2). The effective configuration is logged
 once at start.
 
@@ -44,9 +44,9 @@ to load), the guard that ``mmkey-sglang-guard.pth`` installs at an opted-in inte
 
 The package, each module and what it may import: ``_store`` the store (the only module that
 imports SGLang's ``EmbeddingStore`` and mmkey's Mooncake client; any module below);
-``_plugin`` the plugin (``_spawn``, ``_settings``, ``_hash``); ``_spawn`` the import hook
+``_plugin`` the plugin (``_spawn``, ``_store_settings``, ``_hash``); ``_spawn`` the import hook
 that makes SGLang's spawned encoder processes load the plugin (the standard library, attrs
-and SGLang's plugin loader only: a spawned child imports it first); ``_settings`` what is read
+and SGLang's plugin loader only: a spawned child imports it first); ``_store_settings`` what is read
 from the environment, ``_keys`` hash text to keys, ``_pools`` the registered pools,
 ``_recent`` the memory of recent yes answers, ``_hash`` the opt-in BLAKE3 feature hash
 (mmkey's core only). None imports another stack's integration, and no module imports
@@ -65,7 +65,8 @@ if TYPE_CHECKING:
     from mmkey.integrations.sglang._keys import sglang_digest, sglang_key
     from mmkey.integrations.sglang._plugin import BACKEND_NAME, plugin_errors, register_plugin
     from mmkey.integrations.sglang._pools import REGISTRATION_ORDER
-    from mmkey.integrations.sglang._settings import (
+    from mmkey.integrations.sglang._store import MMKeyEmbeddingStore
+    from mmkey.integrations.sglang._store_settings import (
         BACKEND_ENV,
         DEFAULT_TIMEOUT,
         HASH_ENV,
@@ -75,7 +76,6 @@ if TYPE_CHECKING:
         config_from_env,
         namespace_from_env,
     )
-    from mmkey.integrations.sglang._store import MMKeyEmbeddingStore
 
 __all__ = [
     "BACKEND_ENV",
@@ -102,14 +102,14 @@ _HOMES = {
     "plugin_errors": "_plugin",
     "register_plugin": "_plugin",
     "REGISTRATION_ORDER": "_pools",
-    "BACKEND_ENV": "_settings",
-    "TIMEOUT_ENV": "_settings",
-    "DEFAULT_TIMEOUT": "_settings",
-    "HASH_ENV": "_settings",
-    "NAMESPACE_ENV": "_settings",
-    "SGLangConfigError": "_settings",
-    "config_from_env": "_settings",
-    "namespace_from_env": "_settings",
+    "BACKEND_ENV": "_store_settings",
+    "TIMEOUT_ENV": "_store_settings",
+    "DEFAULT_TIMEOUT": "_store_settings",
+    "HASH_ENV": "_store_settings",
+    "NAMESPACE_ENV": "_store_settings",
+    "SGLangConfigError": "_store_settings",
+    "config_from_env": "_store_settings",
+    "namespace_from_env": "_store_settings",
     "MMKeyEmbeddingStore": "_store",
 }
 """The module of each public name, imported when the name is first used."""

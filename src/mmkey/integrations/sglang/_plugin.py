@@ -18,7 +18,8 @@ import os
 
 from _mmkey_sglang_guard import installed
 from mmkey.digest import HashScheme
-from mmkey.integrations.sglang._settings import (
+from mmkey.integrations.sglang._spawn import check_coverage, cover_spawned_encoders
+from mmkey.integrations.sglang._store_settings import (
     BACKEND_ENV,
     SGLangConfigError,
     check_sglang_version,
@@ -28,7 +29,6 @@ from mmkey.integrations.sglang._settings import (
     settings_from_env,
     switch_problem,
 )
-from mmkey.integrations.sglang._spawn import check_coverage, cover_spawned_encoders
 
 __all__ = [
     "BACKEND_NAME",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from mmkey.digest import Modality
+from mmkey.errors import UnknownBuffer
 
 if TYPE_CHECKING:
     import torch
@@ -27,10 +28,6 @@ REGISTRATION_ORDER = (Modality.IMAGE, Modality.AUDIO)
 """The modality of the first and the second pool registered without one: SGLang's
 controller registers its vision pool (images and videos share it, and SGLang's hash alone
 names an entry in it) and then its audio pool."""
-
-
-class UnknownBuffer(ValueError):
-    """A transfer names memory outside every registered pool, or not whole rows of one."""
 
 
 @attrs.frozen(slots=True)

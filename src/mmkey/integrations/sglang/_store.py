@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import attrs
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 
+from mmkey._log import Counters, RateLimitedLog
 from mmkey.cache.mooncake import Added, MooncakeCache
 from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.errors import InvalidKey
-from mmkey.integrations._common import Counters, RateLimitedLog
 from mmkey.integrations.sglang._keys import sglang_key
 from mmkey.integrations.sglang._plugin import refuse_on_plugin_errors
 from mmkey.integrations.sglang._pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
 from mmkey.integrations.sglang._recent import RecentlyPresent
-from mmkey.integrations.sglang._settings import (
+from mmkey.integrations.sglang._store_settings import (
     BACKEND_ENV,
     HASH_ENV,
     SGLangConfigError,

@@ -25,13 +25,13 @@ counted, logged at most once a minute per kind, and the cache re-joins the store
 
 The package, each module and what it may import: ``_connector`` the class vLLM loads (any
 module below), which opens the cache and hands each hook to its side: ``_scheduler`` (fetches
-a request's items into ``_staging``'s host memory, plans each step) or ``_worker`` (device
+a request's items into ``_stager``'s host memory, plans each step) or ``_worker`` (device
 copies, background saves through ``integrations._background_saver``); ``_announce`` what a
 producer announces in ``ec_transfer_params`` (signed under the fleet's entry secret) and what
 a consumer accepts of it; ``_metadata`` what travels between the sides, and the stats;
-``_api`` the check of vLLM's connector API; ``_namespace``, ``_settings`` and ``_identity``
+``_api`` the check of vLLM's connector API; ``_namespace``, ``_connector_settings`` and ``_identity``
 the namespace, keys and extra config, which import no part of vLLM. A side imports
-``_announce``, ``_metadata``, ``_settings``, ``_staging`` and mmkey's core, never
+``_announce``, ``_metadata``, ``_connector_settings``, ``_stager`` and mmkey's core, never
 ``_connector`` or the other side; none imports another stack's integration. This
 ``__init__`` imports nothing at run time: each public name loads its module on first use,
 so checking settings or keys does not load vLLM or torch, and vLLM's

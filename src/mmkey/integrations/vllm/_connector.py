@@ -19,17 +19,17 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
+from mmkey._log import Counters, RateLimitedLog
 from mmkey.cache.memory import MemoryCache
 from mmkey.cache.mooncake import MooncakeCache
 from mmkey.cache.protocol import EmbeddingCache
 from mmkey.digest import Modality
 from mmkey.entry.auth import EntryKeyring
-from mmkey.integrations._common import Counters, RateLimitedLog
 from mmkey.integrations.vllm._api import check_connector_api
+from mmkey.integrations.vllm._connector_settings import ConnectorSettings, StoreKind
 from mmkey.integrations.vllm._metadata import MMKeyECMetadata, MMKeyECStats
 from mmkey.integrations.vllm._namespace import check_identifiers, namespace_from_vllm_config
 from mmkey.integrations.vllm._scheduler import SchedulerSide
-from mmkey.integrations.vllm._settings import ConnectorSettings, StoreKind
 from mmkey.integrations.vllm._worker import WorkerSide
 from mmkey.keys import EmbeddingKey
 

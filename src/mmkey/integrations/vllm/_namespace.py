@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmkey.integrations.vllm._connector_settings import check_identifiers_are_content_hashes, vllm_namespace
 from mmkey.integrations.vllm._identity import checkpoint_identity
-from mmkey.integrations.vllm._settings import check_identifiers_are_content_hashes, vllm_namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from mmkey._log import Counters
 from mmkey.cache.protocol import EmbeddingCache
 from mmkey.digest import HashScheme, Modality
 from mmkey.entry.auth import EntryKeyring
-from mmkey.integrations._common import Counters
 from mmkey.integrations.vllm._announce import announce, read_announcement
-from mmkey.integrations.vllm._metadata import LoadItem, MMKeyECMetadata, MMKeyECWorkerMetadata
-from mmkey.integrations.vllm._settings import (
+from mmkey.integrations.vllm._connector_settings import (
     ConnectorSettings,
     content_digest,
     identifier_key,
     modality_of,
     scoped_identifier_key,
 )
-from mmkey.integrations.vllm._staging import Staged, Stager, StagerCounts, claim_wait_of
+from mmkey.integrations.vllm._metadata import LoadItem, MMKeyECMetadata, MMKeyECWorkerMetadata
+from mmkey.integrations.vllm._stager import Staged, Stager, StagerCounts, claim_wait_of
 from mmkey.keys import EmbeddingKey
 
 if TYPE_CHECKING:

@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import torch
 
+from mmkey._log import Counters
 from mmkey.cache.protocol import EmbeddingCache
 from mmkey.integrations._background_saver import BackgroundSaver, SaverCounts
-from mmkey.integrations._common import Counters
 from mmkey.integrations.vllm._metadata import MMKeyECMetadata, MMKeyECWorkerMetadata
-from mmkey.integrations.vllm._staging import claim_wait_of
+from mmkey.integrations.vllm._stager import claim_wait_of
 
 __all__ = ["WorkerSide", "tensor_parallel_rank"]
 

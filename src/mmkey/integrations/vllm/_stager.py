@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from mmkey._log import Counters
 from mmkey.cache.protocol import Claim, ClaimingCache, EmbeddingCache
 from mmkey.keys import EmbeddingKey
 
@@ -136,7 +137,6 @@ class Stager:
         self._clock = clock
         self._won: dict[str, _Won] = {}
         """Claims won and not released, by key text (oldest first)."""
-        self._claims_won = self._claims_held = 0
         self._budget = max_bytes
         self._on_error = on_error
         self._cond = threading.Condition()
@@ -144,7 +144,7 @@ class Stager:
         self._queue: list[str] = []
         self._bytes = 0
         self._closed = False
-        self._asked = self._staged = self._wrong = self._over = self._errors = 0
+        self._counts = Counters()  # named as the fields of StagerCounts
         self._entry_bytes = 8 << 20  # a guess until the first entry is read
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -273,21 +273,12 @@ class Stager:
 
     def answered(self) -> int:
         """How many answers this stager has filed (grows as fetches complete)."""
-        return self._asked
+        return self._counts.totals().get("asked", 0)
 
     def counts(self) -> StagerCounts:
         """A snapshot of the counters."""
         with self._cond:
-            return StagerCounts(
-                self._asked,
-                self._staged,
-                self._wrong,
-                self._over,
-                self._errors,
-                self._bytes,
-                self._claims_won,
-                self._claims_held,
-            )
+            return StagerCounts(**self._counts.totals(), staged_bytes=self._bytes)
 
     def close(self) -> None:
         """Stop the thread (after its current call), release every claim, free everything held."""
@@ -335,19 +326,18 @@ class Stager:
         claims = {} if failed else self._claim(asked, tensors, present)
         orphans: list[EmbeddingKey] = []
         with self._cond:
-            self._asked += len(keys)
-            self._errors += int(failed)
+            self._counts.add(asked=len(keys), store_errors=int(failed))
             counted: set[str] = set()  # (two names of one key share its claim)
             for (name, entry), tensor, exists in zip(asked, tensors, present, strict=True):
                 answer = claims.get(entry.text)
                 if answer is not None and entry.text not in counted:
                     counted.add(entry.text)
                     if answer is Claim.WON:
-                        self._claims_won += 1
+                        self._counts.add(claims_won=1)
                         self._won.pop(entry.text, None)  # (kept oldest first: `expire_claims`)
                         self._won[entry.text] = _Won(entry.key, self._clock() + self._hold)
                     elif answer is Claim.HELD:
-                        self._claims_held += 1
+                        self._counts.add(claims_held=1)
                 if self._entries.get(name) is not entry or entry.state is not Staged.PENDING:
                     continue  # released or replaced meanwhile
 
@@ -422,17 +412,17 @@ class Stager:
         if tensor is None:
             return Staged.MISSING
         if tensor.ndim < 1 or tensor.shape[0] != entry.rows:
-            self._wrong += 1
+            self._counts.add(wrong_size=1)
             return Staged.MISSING
         nbytes = tensor.numel() * tensor.element_size()
         self._entry_bytes = max(nbytes, 1)
         if self._bytes + nbytes > self._budget:
-            self._over += 1
+            self._counts.add(over_budget=1)
             return Staged.MISSING
         entry.tensor = _pinned(tensor)
         entry.nbytes = nbytes
         self._bytes += nbytes
-        self._staged += 1
+        self._counts.add(staged=1)
         return Staged.STAGED
 
 

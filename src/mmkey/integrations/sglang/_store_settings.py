@@ -19,6 +19,23 @@ adds ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_REPLICA_NUM``, ``MMKEY_TIMEOUT``
 ``MMKEY_*`` settings `MooncakeConfig.from_env` reads.
 ``MOONCAKE_CLIENT`` (a standalone ``mooncake_client``) is not used by SGLang's embedding
 backend either: the store talks to the master itself, so a master is required.
+
+Each Mooncake field, first found first (`mmkey.cache.mooncake.config.read_fields`; "no file":
+read only where ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` is unset)::
+
+    field                  1                          2                  3      4
+    master_server_address  file                       MOONCAKE_MASTER    -      (required)
+                                                      (no file)
+    device_name,           file                       MOONCAKE_* (no     SGLang's default
+      metadata_server,                                file)
+      global_segment_size,
+      tenant_id
+    protocol               file                       MOONCAKE_PROTOCOL  SGLang's default
+    local_hostname         MOONCAKE_LOCAL_HOSTNAME    LOCAL_HOSTNAME     file   localhost
+    local_buffer_size,     MOONCAKE_LOCAL_BUFFER_SIZE file               MooncakeConfig's
+      replica_num          / MOONCAKE_REPLICA_NUM
+
+mmkey's own settings (``MMKEY_TRUSTED_NETWORK``, ...) come from `MooncakeConfig.from_env`.
 """
 
 from __future__ import annotations
@@ -31,9 +48,19 @@ from typing import Any
 import attrs
 
 from _mmkey_sglang_guard import opted_in  # the guard of mmkey-sglang-guard.pth reads the switch the same way
-from mmkey.cache.mooncake.config import MooncakeConfig, parse_replica_num, parse_size, read_json_config
+from mmkey.cache.mooncake.config import (
+    FILE,
+    MOONCAKE_ENV,
+    Env,
+    MooncakeConfig,
+    Source,
+    parse_replica_num,
+    parse_size,
+    read_fields,
+    read_json_config,
+)
 from mmkey.digest import HashScheme, MMHash, Modality
-from mmkey.errors import InvalidKey
+from mmkey.errors import InvalidKey, SGLangConfigError
 from mmkey.keys import EmbeddingKey
 
 __all__ = [
@@ -80,19 +107,27 @@ _SGLANG_DEFAULTS: dict[str, Any] = {
     "device_name": "",
     "tenant_id": "default",
 }
-_ENV_FIELDS = {
-    "MOONCAKE_MASTER": "master_server_address",
-    "MOONCAKE_PROTOCOL": "protocol",
-    "MOONCAKE_DEVICE": "device_name",
-    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
-    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
-    "MOONCAKE_TENANT_ID": "tenant_id",
+_SGLANG_TABLE: dict[str, tuple[Source, ...]] = {
+    # SGLang reads its file, or else these variables (an empty one skipped)
+    **{
+        name: (FILE, Env(MOONCAKE_ENV[name], without_file=True))
+        for name in (
+            "master_server_address",
+            "device_name",
+            "metadata_server",
+            "global_segment_size",
+            "tenant_id",
+        )
+    },
+    "protocol": (FILE, Env("MOONCAKE_PROTOCOL")),  # SGLang: the variable where the file has none
+    # SGLang: these win over the file (SGLang also passes on an empty MOONCAKE_LOCAL_HOSTNAME,
+    # which Mooncake's setup refuses: -600, "local_hostname is empty"; mmkey skips it)
+    "local_hostname": (Env("MOONCAKE_LOCAL_HOSTNAME"), Env("LOCAL_HOSTNAME"), FILE),
+    # mmkey's additions
+    "local_buffer_size": (Env("MOONCAKE_LOCAL_BUFFER_SIZE"), FILE),
+    "replica_num": (Env("MOONCAKE_REPLICA_NUM"), FILE),
 }
-_FILE_FIELDS = frozenset({*_ENV_FIELDS.values(), "local_hostname", "local_buffer_size", "replica_num"})
-
-
-class SGLangConfigError(ValueError):
-    """The SGLang integration is switched on but cannot run as configured; says the fix."""
+"""The sources of each Mooncake field, first found first (the module doc has the table)."""
 
 
 def switch_problem(environ: Mapping[str, str] | None = None) -> SGLangConfigError | None:
@@ -202,19 +237,15 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> MooncakeConfig:
 def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings:
     """`config_from_env` and where it came from."""
     env = os.environ if environ is None else environ
-    fields: dict[str, Any] = dict(_SGLANG_DEFAULTS)
     notes: list[str] = []
     path = env.get(SGLANG_CONFIG_ENV)
-    if path is not None:
-        data = _read_file(path)
+    data = None if path is None else _read_file(path)
+    if data is not None:
         if "master_server_address" not in data and "client_server_address" not in data:
             raise SGLangConfigError(
                 f"{SGLANG_CONFIG_ENV}={path!r}: the file names no master_server_address; "
                 "add the Mooncake master's host:port"
             )
-        if env.get("MOONCAKE_PROTOCOL"):  # SGLang: the variable when the file has no protocol
-            fields["protocol"] = env["MOONCAKE_PROTOCOL"]
-        fields.update({k: v for k, v in data.items() if k in _FILE_FIELDS})
         client = data.get("client_server_address")
         source = f"file {path}"
     else:
@@ -223,19 +254,11 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings
                 "no Mooncake master configured: set MOONCAKE_MASTER=host:port (or "
                 f"{SGLANG_CONFIG_ENV} to a JSON config file), as for SGLang's own backend"
             )
-        for var, name in _ENV_FIELDS.items():
-            if env.get(var):
-                fields[name] = env[var]
         client = env.get("MOONCAKE_CLIENT")
         source = "environment"
         if env.get("MOONCAKE_CONFIG_PATH"):
             notes.append(f"MOONCAKE_CONFIG_PATH not read (SGLang's backend reads {SGLANG_CONFIG_ENV})")
-    # SGLang: these win over the file (SGLang also passes on an empty MOONCAKE_LOCAL_HOSTNAME,
-    # which Mooncake's setup refuses: -600, "local_hostname is empty"; mmkey skips it)
-    for var in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):
-        if env.get(var):
-            fields["local_hostname"] = env[var]
-            break
+    fields: dict[str, Any] = {**_SGLANG_DEFAULTS, **read_fields(_SGLANG_TABLE, env, data)}
     if client:
         if not fields.get("master_server_address"):
             raise SGLangConfigError(
@@ -244,12 +267,6 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> StoreSettings
                 "host:port (or master_server_address in the config file)"
             )
         notes.append(f"MOONCAKE_CLIENT={client} not used (the store talks to the master)")
-    for var, name in (
-        ("MOONCAKE_LOCAL_BUFFER_SIZE", "local_buffer_size"),
-        ("MOONCAKE_REPLICA_NUM", "replica_num"),
-    ):
-        if env.get(var):
-            fields[name] = env[var]
     fields["tenant_id"] = str(fields.get("tenant_id") or "").strip() or "default"
     fields["timeout"] = _timeout(env)
     try:

@@ -185,36 +185,91 @@ def vllm_namespace(model: str, revision: str | None, encoder_config: str, dtype:
     return f"{head}#{tag}"
 
 
-def _size(value: Any, name: str) -> int:
+def _extra(name: str) -> str:
+    return f"ec_connector_extra_config[{name!r}]"
+
+
+def _check_namespace(_: object, attribute: attrs.Attribute[str | None], namespace: object) -> None:
+    if namespace is None:
+        return
+    if not isinstance(namespace, str):
+        raise TypeError(f"{_extra(attribute.name)} must be text, got {namespace!r}")
+    # the key class checks length and text once, here, instead of at the first lookup
+    identifier_key(namespace, Modality.IMAGE, "namespace-check")
+
+
+def _store_kind(value: object) -> StoreKind:
     try:
-        size = parse_size(value, name)
-    except TypeError:
+        return StoreKind(value)
+    except ValueError:
+        kinds = [k.value for k in StoreKind]
+        raise ValueError(f"{_extra('store')} must be one of {kinds}, got {value!r}") from None
+
+
+def _mooncake_fields(value: object) -> object:
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def _check_mooncake(_: object, attribute: attrs.Attribute[Mapping[str, Any]], mooncake: object) -> None:
+    if not isinstance(mooncake, Mapping):
         raise TypeError(
-            f"ec_connector_extra_config[{name!r}] must be bytes (an int) or size text like "
-            f"'512MB', got {value!r}"
-        ) from None
-    if size <= 0:
-        raise ValueError(f"ec_connector_extra_config[{name!r}] must be > 0, got {value!r}")
-    return size
+            f"{_extra(attribute.name)} must be a dict of MooncakeConfig fields, e.g. "
+            f"{{'master_server_address': 'host:port'}}, got {mooncake!r}"
+        )
+    known = set(attrs.fields_dict(MooncakeConfig))
+    bad = sorted(set(mooncake) - known)
+    if bad:
+        raise ValueError(
+            f"{_extra(attribute.name)} has unknown fields {bad}; MooncakeConfig has {sorted(known)}"
+        )
+
+
+def _size_field(name: str, default: int) -> Any:
+    def size(value: Any) -> int:
+        try:
+            bytes_ = parse_size(value, name)
+        except TypeError:
+            raise TypeError(
+                f"{_extra(name)} must be bytes (an int) or size text like '512MB', got {value!r}"
+            ) from None
+        if bytes_ <= 0:
+            raise ValueError(f"{_extra(name)} must be > 0, got {value!r}")
+        return bytes_
+
+    return attrs.field(default=default, converter=size)
+
+
+def _seconds(value: object) -> object:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _check_wait(_: object, attribute: attrs.Attribute[float], wait: object) -> None:
+    if not isinstance(wait, float):
+        raise TypeError(f"{_extra(attribute.name)} must be seconds (a number), got {wait!r}")
+    if not 0 <= wait <= 60:
+        raise ValueError(f"{_extra(attribute.name)} must be within 0-60 s, got {wait!r}")
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class ConnectorSettings:
-    """What ``ec_connector_extra_config`` asks of `MMKeyECConnector`, checked."""
+    """What ``ec_connector_extra_config`` asks of `MMKeyECConnector`, checked (the errors name
+    the extra config's key)."""
 
-    namespace: str | None = None
+    namespace: str | None = attrs.field(default=None, validator=_check_namespace)
     """Overrides the namespace derived from `VllmConfig` (required without a model config)."""
-    store: StoreKind = StoreKind.MOONCAKE
-    mooncake: Mapping[str, Any] = attrs.field(factory=dict)
+    store: StoreKind = attrs.field(default=StoreKind.MOONCAKE, converter=_store_kind)
+    mooncake: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=_mooncake_fields, validator=_check_mooncake
+    )
     """`MooncakeConfig` fields over Mooncake's ``MOONCAKE_*`` variables (these win)."""
-    memory_max_bytes: int = 1 << 30
+    memory_max_bytes: int = _size_field("memory_max_bytes", 1 << 30)
     """Budget of the `MemoryCache` when ``store`` is ``"memory"``."""
-    max_pending_save_bytes: int = 512 << 20
+    max_pending_save_bytes: int = _size_field("max_pending_save_bytes", 512 << 20)
     """Embedding bytes a worker may hold for background saves; past it, saves are dropped."""
-    max_staged_bytes: int = 1 << 30
+    max_staged_bytes: int = _size_field("max_staged_bytes", 1 << 30)
     """Host bytes the scheduler side may hold of fetched, verified entries not yet loaded;
     past it, items are encoded instead."""
-    producer_wait_s: float = 2.0
+    producer_wait_s: float = attrs.field(default=2.0, converter=_seconds, validator=_check_wait)
     """How long a consumer waits for items a producer said it encoded (``ec_transfer_params``)
     to appear in the store, before encoding them itself."""
 
@@ -230,52 +285,7 @@ class ConnectorSettings:
                 f"ec_connector_extra_config has unknown keys {unknown} for MMKeyECConnector; "
                 f"it reads {sorted(EXTRA_CONFIG_KEYS)}"
             )
-        fields: dict[str, Any] = {}
-        namespace = extra.get("namespace")
-        if namespace is not None:
-            if not isinstance(namespace, str):
-                raise TypeError(f"ec_connector_extra_config['namespace'] must be text, got {namespace!r}")
-            # the key class checks length and text once, here, instead of at the first lookup
-            identifier_key(namespace, Modality.IMAGE, "namespace-check")
-            fields["namespace"] = namespace
-        if "store" in extra:
-            try:
-                fields["store"] = StoreKind(extra["store"])
-            except ValueError:
-                kinds = [k.value for k in StoreKind]
-                raise ValueError(
-                    f"ec_connector_extra_config['store'] must be one of {kinds}, got {extra['store']!r}"
-                ) from None
-        if "mooncake" in extra:
-            mooncake = extra["mooncake"]
-            if not isinstance(mooncake, Mapping):
-                raise TypeError(
-                    "ec_connector_extra_config['mooncake'] must be a dict of MooncakeConfig "
-                    f"fields, e.g. {{'master_server_address': 'host:port'}}, got {mooncake!r}"
-                )
-            known = set(attrs.fields_dict(MooncakeConfig))
-            bad = sorted(set(mooncake) - known)
-            if bad:
-                raise ValueError(
-                    f"ec_connector_extra_config['mooncake'] has unknown fields {bad}; "
-                    f"MooncakeConfig has {sorted(known)}"
-                )
-            fields["mooncake"] = dict(mooncake)
-        for name in ("memory_max_bytes", "max_pending_save_bytes", "max_staged_bytes"):
-            if name in extra:
-                fields[name] = _size(extra[name], name)
-        if "producer_wait_s" in extra:
-            wait = extra["producer_wait_s"]
-            if isinstance(wait, bool) or not isinstance(wait, (int, float)):
-                raise TypeError(
-                    f"ec_connector_extra_config['producer_wait_s'] must be seconds (a number), got {wait!r}"
-                )
-            if not 0 <= wait <= 60:
-                raise ValueError(
-                    f"ec_connector_extra_config['producer_wait_s'] must be within 0-60 s, got {wait!r}"
-                )
-            fields["producer_wait_s"] = float(wait)
-        return cls(**fields)
+        return cls(**extra)
 
     def mooncake_config(
         self, *, pure_client: bool, environ: Mapping[str, str] | None = None

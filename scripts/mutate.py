@@ -1,0 +1,183 @@
+"""A small mutation test: apply one mutation at a time to a copy of ``src/``, run the tests
+that cover it, and report the mutants no test kills (survivors).
+
+Mutations: a comparison flipped (``==``/``!=``, ``<``/``>=``, ``<=``/``>``, ``in``/``not in``,
+``is``/``is not``), ``and``/``or`` swapped, ``not`` dropped, an int constant off by one, a
+``raise`` dropped (the check it makes is gone) and a ``True``/``False`` flipped. Slow (one
+test run per mutant), so not part of ``make test``; run it by hand, e.g.::
+
+    PYTHONPATH= HYPOTHESIS_PROFILE=quick .venv/bin/python scripts/mutate.py \\
+        src/mmkey/entry/_format.py --tests tests/entry
+
+``--every N`` samples one mutant in N, ``--start`` skips the first ones, ``--only`` tries the
+ones named by their ``#``, ``--list`` only prints the mutants. Exit status 1 when a mutant survives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_FLIPS: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Lt: ast.GtE,
+    ast.GtE: ast.Lt,
+    ast.LtE: ast.Gt,
+    ast.Gt: ast.LtE,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+}
+
+
+def _in_overloads(tree: ast.Module) -> set[int]:
+    """The ids of the nodes of ``@overload`` stubs (no run-time effect: never mutated)."""
+    stubs = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef)
+        and any(ast.unparse(d).endswith("overload") for d in n.decorator_list)
+    ]
+    return {id(node) for stub in stubs for node in ast.walk(stub)}
+
+
+def _sites(tree: ast.Module) -> Iterator[tuple[ast.AST, str]]:
+    """Every place a mutation applies, with what it does (in a stable order)."""
+    skipped = _in_overloads(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Compare):
+            for op in node.ops:
+                if type(op) in _FLIPS:
+                    yield node, f"{type(op).__name__} -> {_FLIPS[type(op)].__name__}"
+        elif isinstance(node, ast.BoolOp):
+            yield node, "and <-> or"
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            yield node, "drop not"
+        elif isinstance(node, ast.Constant) and type(node.value) is int:
+            yield node, f"{node.value} -> {node.value + 1}"
+        elif isinstance(node, ast.Constant) and type(node.value) is bool:
+            yield node, f"{node.value} -> {not node.value}"
+        elif isinstance(node, ast.Raise):
+            yield node, "drop raise"
+
+
+class _Mutate(ast.NodeTransformer):
+    """Applies the mutation `what` at the node `target` (one of `_sites`)."""
+
+    def __init__(self, target: ast.AST, what: str) -> None:
+        self.target, self.what = target, what
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        if node is not self.target:
+            visited: ast.AST = super().visit(node)
+            return visited
+        if isinstance(node, ast.Compare):
+            old = self.what.split(" -> ")[0]
+            for i, op in enumerate(node.ops):
+                if type(op).__name__ == old:
+                    node.ops[i] = _FLIPS[type(op)]()
+                    break
+            return node
+        if isinstance(node, ast.BoolOp):
+            node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+            return node
+        if isinstance(node, ast.UnaryOp):
+            return node.operand
+        if isinstance(node, ast.Constant):
+            value = node.value
+            if isinstance(value, bool):
+                node.value = not value
+            elif isinstance(value, int):
+                node.value = value + 1
+            return node
+        if isinstance(node, ast.Raise):
+            return ast.Pass()
+        return node
+
+
+def mutants(path: Path) -> list[tuple[int, str]]:
+    """``(line, what)`` of each mutant of the module at `path`."""
+    tree = ast.parse(path.read_text())
+    return [(getattr(node, "lineno", 0), what) for node, what in _sites(tree)]
+
+
+def mutated(path: Path, index: int) -> str:
+    """The source of `path` with mutant `index` applied."""
+    tree = ast.parse(path.read_text())
+    node, what = list(_sites(tree))[index]
+    changed = _Mutate(node, what).visit(tree)
+    return ast.unparse(ast.fix_missing_locations(changed))
+
+
+def run_tests(src: Path, tests: list[str], timeout: float) -> bool:
+    """Whether the tests pass against the source tree `src`."""
+    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return False  # a mutant that hangs the tests is killed
+    return done.returncode == 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("modules", nargs="+", type=Path, help="files under src/ to mutate")
+    parser.add_argument("--tests", nargs="+", default=["tests/entry"], help="what pytest runs")
+    parser.add_argument("--every", type=int, default=1, help="try one mutant in N")
+    parser.add_argument("--start", type=int, default=0, help="skip the first mutants")
+    parser.add_argument("--only", type=int, nargs="+", help="try only these mutants (by #)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test run")
+    parser.add_argument("--list", action="store_true", help="print the mutants and stop")
+    args = parser.parse_args()
+    survivors: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="mmkey-mutate-") as scratch:
+        copy = Path(scratch) / "src"
+        shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__"))
+        if not args.list and not run_tests(copy, args.tests, args.timeout):
+            print("the tests fail without a mutant: fix them first", file=sys.stderr)
+            return 2
+        for module in args.modules:
+            path = module.resolve()
+            inside = copy / path.relative_to(ROOT / "src")
+            original = inside.read_text()
+            found = mutants(path)
+            chosen = args.only or range(args.start, len(found), args.every)
+            for index in chosen:
+                line, what = found[index]
+                name = f"{module}:{line} #{index} {what}"
+                if args.list:
+                    print(name)
+                    continue
+                inside.write_text(mutated(path, index))
+                started = time.monotonic()
+                try:
+                    killed = not run_tests(copy, args.tests, args.timeout)
+                finally:
+                    inside.write_text(original)
+                verdict = "killed" if killed else "SURVIVED"
+                print(f"{verdict:8} {name} ({time.monotonic() - started:.0f} s)", flush=True)
+                if not killed:
+                    survivors.append(name)
+    if survivors:
+        print(f"\n{len(survivors)} survivor(s):", *survivors, sep="\n  ")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
