@@ -35,7 +35,7 @@ class Released:
         with self.lock:
             self.calls.append(list(keys))
 
-    def keys(self) -> list[EmbeddingKey]:
+    def given(self) -> list[EmbeddingKey]:
         with self.lock:
             return [k for call in self.calls for k in call]
 
@@ -63,9 +63,9 @@ def test_a_claim_no_put_ends_is_given_back_at_its_hold_and_not_before() -> None:
     clock.now += 0.99
     assert won.expire() == 0 and released.calls == []
     clock.now += 0.01
-    assert won.expire() == 1 and released.keys() == [key(1)]  # the first, at 2.0 s
+    assert won.expire() == 1 and released.given() == [key(1)]  # the first, at 2.0 s
     clock.now += 1.0
-    assert won.expire() == 1 and released.keys() == [key(1), key(2)]
+    assert won.expire() == 1 and released.given() == [key(1), key(2)]
     assert len(won) == 0
 
 
@@ -78,7 +78,7 @@ def test_won_again_renews_the_hold() -> None:
     clock.now += 1.0
     assert won.expire() == 0
     clock.now += 1.0
-    assert won.expire() == 1 and released.keys() == [key(1)]
+    assert won.expire() == 1 and released.given() == [key(1)]
 
 
 def test_over_the_limit_the_oldest_claims_are_given_back() -> None:
@@ -86,7 +86,7 @@ def test_over_the_limit_the_oldest_claims_are_given_back() -> None:
     won = WonClaims(released, 2.0, 3, clock=Clock(), sweep=False)
     won.add({str(i): key(i) for i in range(3)})
     won.add({"3": key(3), "4": key(4)})
-    assert released.keys() == [key(0), key(1)]
+    assert released.given() == [key(0), key(1)]
     assert len(won) == 3 and all(str(i) in won for i in (2, 3, 4))
 
 
@@ -95,9 +95,9 @@ def test_close_gives_every_claim_back_and_holds_none_after() -> None:
     won = WonClaims(released, 2.0, 100, clock=Clock(), sweep=False)
     won.add({"1": key(1), "2": key(2)})
     won.close()
-    assert sorted(k.digest for k in released.keys()) == [1, 2]
+    assert sorted(k.digest for k in released.given()) == [1, 2]
     won.add({"3": key(3)})  # a lookup racing the close: given back at once
-    assert released.keys()[-1] == key(3) and len(won) == 0
+    assert released.given()[-1] == key(3) and len(won) == 0
 
 
 def test_the_sweeping_thread_gives_back_lapsed_claims_with_no_other_call() -> None:
@@ -105,9 +105,9 @@ def test_the_sweeping_thread_gives_back_lapsed_claims_with_no_other_call() -> No
     released = Released()
     won = WonClaims(released, 0.05, 100)
     won.add({"1": key(1)})
-    assert wait_until(lambda: released.keys() == [key(1)], 10)
+    assert wait_until(lambda: released.given() == [key(1)], 10)
     assert len(won) == 0
     assert wait_until(lambda: won._thread is None, 10)  # no claim held: the thread ends
     won.add({"2": key(2)})  # and a new claim starts it again
-    assert wait_until(lambda: released.keys() == [key(1), key(2)], 10)
+    assert wait_until(lambda: released.given() == [key(1), key(2)], 10)
     won.close()
