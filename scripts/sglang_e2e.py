@@ -76,6 +76,10 @@ SERVERS = ("a", "b", "c", "ref")
 
 #: server options that keep SGLang off sgl_kernel where it offers a switch
 KERNEL_FREE_ARGS = ("--mm-attention-backend", "sdpa")
+WAITED = re.compile(
+    r"mmkey SGLang store: waited [0-9.]+ s for (\d+) item\(s\) another encoder claimed: "
+    r"(\d+) served, (\d+) encoded here"
+)
 CACHE_CHECK = re.compile(
     r"Multi-Level Cache Check === Total: (\d+) \| Local Hits: (\d+) \| Global Hits: (\d+) "
     r"\| Misses \(GPU Work\): (\d+)"
@@ -541,9 +545,21 @@ def _keyring(run: Run) -> Any:
     return EntryKeyring(EntrySecret.from_secret(secret))
 
 
+def single_flight_waits(text: str) -> dict[str, int]:
+    """The sums of mmkey's ``waited ... for N item(s) another encoder claimed: S served, E
+    encoded here`` lines in ``text``."""
+    total = {"lines": 0, "items": 0, "served": 0, "encoded": 0}
+    for found in WAITED.finditer(text):
+        total["lines"] += 1
+        for name, value in zip(("items", "served", "encoded"), found.groups(), strict=True):
+            total[name] += int(value)
+    return total
+
+
 def scenario_concurrent_and_batch(run: Run) -> dict[str, Any]:
-    """One new image asked of a and b at the same moment; then one request of three images to
-    b, two of them stored by a and one never seen."""
+    """One new image asked of a and b at the same moment (single-flight: one of them encodes
+    it, the other waits for its entry and serves it from the store); then one request of three
+    images to b, two of them stored by a and one never seen."""
     a, b = run.servers["a"], run.servers["b"]
     before = run.keys_of(NAMESPACE)
     mark_a, mark_b = a.mark(), b.mark()
@@ -560,8 +576,11 @@ def scenario_concurrent_and_batch(run: Run) -> dict[str, Any]:
     for t in threads:
         t.join()
     same_keys = run.wait_new_key(NAMESPACE, before)
+    text_a, text_b = a.since(mark_a), b.since(mark_b)
     concurrent = {
-        "a": cache_checks(a.since(mark_a)), "b": cache_checks(b.since(mark_b)), "new_keys": same_keys,
+        "a": cache_checks(text_a), "b": cache_checks(text_b), "new_keys": same_keys,
+        "waits": {"a": single_flight_waits(text_a), "b": single_flight_waits(text_b)},
+        "fetched": text_a.count("Successfully fetched 1/1") + text_b.count("Successfully fetched 1/1"),
         "digests": {"a": results["a"].digest, "b": results["b"].digest, "ref": run.reference(5).digest},
     }  # fmt: skip
     before = run.keys_of(NAMESPACE)
@@ -685,11 +704,17 @@ def held(name: str, seen: dict[str, Any]) -> bool:
             and seen["digest_bits"][0] > 64
         )
     if name == "concurrent_and_batch":
-        cd, bd = seen["concurrent"]["digests"], seen["batch_digests"]
+        both = seen["concurrent"]
+        cd, bd = both["digests"], seen["batch_digests"]
+        waits = [both["waits"][s] for s in ("a", "b")]
         return (
             fine
             and cd["a"] == cd["b"] == cd["ref"] != ""
-            and len(seen["concurrent"]["new_keys"]) == 1
+            and len(both["new_keys"]) == 1
+            and both["a"]["misses"] + both["b"]["misses"] == 1  # one encode for the two servers
+            and both["a"]["global_hits"] + both["b"]["global_hits"] == 1
+            and sorted(w["served"] for w in waits) == [0, 1]  # the other waited and was served
+            and both["fetched"] == 1
             and bd["b"] == bd["ref"] != ""
             and seen["batch"]["global_hits"] == 2
             and seen["batch"]["misses"] == 1

@@ -106,14 +106,19 @@ def test_another_namespace_sees_nothing_and_blake3_gives_128_bit_keys_end_to_end
     assert digests["c"] == digests["ref"] == digests["read_back"] != ""  # what c served, stored, read back
 
 
-def test_one_image_asked_of_both_servers_at_once_is_stored_once_and_served_right(run: dict[str, Any]) -> None:
+def test_one_image_asked_of_two_servers_at_once_is_encoded_once_and_served_right(run: dict[str, Any]) -> None:
+    """Single-flight: one server claims the image and encodes it, the other waits for its
+    entry and serves it as a global hit."""
     both = scenario(run, "concurrent_and_batch")["concurrent"]
     assert len(both["new_keys"]) == 1
     assert both["digests"]["a"] == both["digests"]["b"] == both["digests"]["ref"] != ""
-    assert (
-        both["a"]["misses"] + both["a"]["global_hits"] == 1
-        and both["b"]["misses"] + both["b"]["global_hits"] == 1
-    )
+    assert both["a"]["misses"] + both["b"]["misses"] == 1  # one encode across the two servers
+    assert both["a"]["global_hits"] + both["b"]["global_hits"] == 1
+    encoder = "a" if both["a"]["misses"] == 1 else "b"
+    waiter = "b" if encoder == "a" else "a"
+    assert both["waits"][waiter] == {"lines": 1, "items": 1, "served": 1, "encoded": 0}
+    assert both["waits"][encoder]["lines"] == 0  # the claimant never waits
+    assert both["fetched"] == 1  # the waiter read the claimant's entry from the store
 
 
 def test_a_batch_with_one_image_missing_fetches_the_others_and_encodes_that_one(run: dict[str, Any]) -> None:

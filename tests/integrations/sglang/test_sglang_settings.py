@@ -217,3 +217,13 @@ def test_mooncake_variables_are_read_only_the_sglang_way() -> None:
         "MOONCAKE_CONFIG_PATH not read (SGLang's backend reads SGLANG_HICACHE_MOONCAKE_CONFIG_PATH)"
         in settings.describe()
     )
+
+
+def test_single_flight_is_on_by_default_and_mmkey_claim_wait_sets_its_bound() -> None:
+    default = settings_from_env({"MOONCAKE_MASTER": "m:1"})
+    assert default.config.claim_wait == 2.0 and "claim_wait=2.0s" in default.describe()
+    settings = settings_from_env({"MOONCAKE_MASTER": "m:1", "MMKEY_CLAIM_WAIT": "0.5"})
+    assert settings.config.claim_wait == 0.5 and "claim_wait=0.5s" in settings.describe()
+    assert settings_from_env({"MOONCAKE_MASTER": "m:1", "MMKEY_CLAIM_WAIT": "0"}).config.claim_wait == 0
+    with pytest.raises(SGLangConfigError, match="MMKEY_CLAIM_WAIT"):
+        settings_from_env({"MOONCAKE_MASTER": "m:1", "MMKEY_CLAIM_WAIT": "soon"})

@@ -48,7 +48,8 @@ imports SGLang's ``EmbeddingStore`` and mmkey's Mooncake client; any module belo
 that makes SGLang's spawned encoder processes load the plugin (the standard library, attrs
 and SGLang's plugin loader only: a spawned child imports it first); ``_store_settings`` what is read
 from the environment, ``_keys`` hash text to keys, ``_pools`` the registered pools,
-``_recent`` the memory of recent yes answers, ``_hash`` the opt-in BLAKE3 feature hash
+``_recent`` the memory of recent yes answers, ``_claimed`` the single-flight claims a store
+won and has not ended yet, ``_hash`` the opt-in BLAKE3 feature hash
 (mmkey's core only). None imports another stack's integration, and no module imports
 ``_store``: SGLang reaches it through this ``__init__``, which imports nothing at run time
 (each public name loads its module on first use), so a spawned child or a settings check

@@ -4,7 +4,9 @@ verified entries, bounded calls); see the package's docstring for the data path.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar, cast
 
@@ -14,9 +16,10 @@ from sglang.srt.mem_cache.embedding_store import EmbeddingStore
 from mmkey._log import Counters, RateLimitedLog
 from mmkey.cache.mooncake import Added, MooncakeCache
 from mmkey.cache.mooncake.config import MooncakeConfig
-from mmkey.cache.protocol import CacheStats
+from mmkey.cache.protocol import CacheStats, Claim
 from mmkey.digest import HashScheme, MMHash, Modality
 from mmkey.errors import InvalidKey
+from mmkey.integrations.sglang._claimed import WonClaims
 from mmkey.integrations.sglang._keys import sglang_key
 from mmkey.integrations.sglang._plugin import refuse_on_plugin_errors
 from mmkey.integrations.sglang._pools import REGISTRATION_ORDER, PoolTable, UnknownBuffer
@@ -100,6 +103,8 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._memo_lock = threading.Lock()
         self._recent = RecentlyPresent(_REMEMBER_YES_S, _KNOWN_HASHES)
         self._counts = Counters()
+        self._won = WonClaims(self._give_back, config.claim_wait, _KNOWN_HASHES)
+        self._wait_slots = threading.BoundedSemaphore(_WAITERS)
         self._log = RateLimitedLog(logger, logging.ERROR, "mmkey embedding store: %s%s", period=_LOG_EVERY)
 
     @property
@@ -158,10 +163,17 @@ class MMKeyEmbeddingStore(EmbeddingStore):
     def batch_is_exist(self, hashes: list[str]) -> list[bool]:
         """Whether an entry exists for each hash, in any pool's modality. Hashes answered yes
         (found, stored, or read and verified) within the last second are answered from
-        memory when all of them are: a stale yes costs SGLang a failed read, then it encodes."""
+        memory when all of them are: a stale yes costs SGLang a failed read, then it encodes.
+
+        Single-flight (the cache's ``claim_wait`` > 0): each missing hash is claimed. One this
+        store won is answered no (SGLang encodes it; its put ends the claim). When every
+        missing hash this call claimed is held by another encoder (another server, or another
+        request of this one), the call waits for their entries, at most ``claim_wait``, and
+        answers yes for each that landed and verified: SGLang then reads it as a global hit.
+        A call that won any hash waits for none (SGLang runs the vision tower for it anyway)."""
         if self._recent.all_present(hashes):
             return [True] * len(hashes)
-        return self._guard("batch_is_exist", hashes, lambda: self._exist(hashes))
+        return self._guard("batch_is_exist", hashes, lambda: self._look(hashes))
 
     def batch_get_into_multi_buffers(
         self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]
@@ -194,7 +206,10 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         `corrupt` includes entries whose dtype or shape did not fit the pool pages; `skipped`
         counts hashes and buffers refused without asking the store (bad text, unknown memory)
         and puts skipped because the store already held a verified entry for the hash, or
-        because another encoder stored it, or was storing it, first (a racing put)."""
+        because another encoder stored it, or was storing it, first (a racing put).
+        ``claims_won``, ``waits_served``, ``waits_timed_out`` and ``coalesced`` are the cache's
+        single-flight counters of this store's lookups (``coalesced``: entries read and
+        verified after a wait, each an encode saved)."""
         inner = CacheStats() if self._cache is None else self._cache.stats()
         c = self._counts.totals()
         return CacheStats(
@@ -212,11 +227,17 @@ class MMKeyEmbeddingStore(EmbeddingStore):
             bad_mac=inner.bad_mac,
             unsigned_served=inner.unsigned_served,
             oversized=inner.oversized,
+            claims_won=inner.claims_won,
+            waits_served=inner.waits_served,
+            waits_timed_out=inner.waits_timed_out,
+            coalesced=inner.coalesced,
         )
 
     def close(self) -> None:
-        """Close the Mooncake cache; later calls answer ``False``."""
+        """Give back the claims this store holds and close the Mooncake cache; later calls
+        answer ``False``."""
         self._recent.close()
+        self._won.close()
         if self._cache is not None:
             self._cache.close()
 
@@ -299,6 +320,66 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         self._recent.note(hashes, result)
         return result
 
+    def _look(self, hashes: list[str]) -> list[bool]:
+        """`_exist`, then single-flight for the hashes it missed (see `batch_is_exist`)."""
+        answers = self._exist(hashes)
+        cache = self._cache
+        if cache is None or all(answers) or cache.claim_wait <= 0:
+            return answers
+        items: list[object] = list(hashes)  # SGLang's list: an item may not be text
+        missing: dict[str, EmbeddingKey] = {}
+        for item, found in zip(items, answers, strict=True):
+            if not found and isinstance(item, str) and item not in missing:
+                key = self._claim_key(item)
+                if key is not None:
+                    missing[item] = key
+        if not missing:
+            return answers
+        claims = cache.claim(list(missing.values()))
+        won = {t: k for (t, k), c in zip(missing.items(), claims, strict=True) if c is Claim.WON}
+        held = {t: k for (t, k), c in zip(missing.items(), claims, strict=True) if c is Claim.HELD}
+        self._won.add(won)
+        if won or not held or not self._wait_slots.acquire(blocking=False):
+            return answers  # encoded here: this call runs the tower anyway, or waits are full
+        try:
+            start = time.monotonic()
+            entries = cache.wait_for_embeddings(list(held.values()))
+        finally:
+            self._wait_slots.release()
+        landed = {text for text, entry in zip(held, entries, strict=True) if entry is not None}
+        logger.info(
+            "mmkey SGLang store: waited %.3f s for %d item(s) another encoder claimed: "
+            "%d served, %d encoded here",
+            time.monotonic() - start,
+            len(held),
+            len(landed),
+            len(held) - len(landed),
+        )
+        result = [
+            found or (isinstance(item, str) and item in landed)
+            for item, found in zip(items, answers, strict=True)
+        ]
+        self._recent.note(hashes, result)
+        return result
+
+    def _claim_key(self, text: str) -> EmbeddingKey | None:
+        """The key a lookup claims for `text`: its pool's, or the first pool's (the vision
+        pool: images and videos) for a hash this store never moved; None for bad text
+        (refused by the lookup already)."""
+        with self._memo_lock:
+            modality = self._known.get(text)
+        if modality is None:
+            modality = self._pools.modalities()[0]
+        try:
+            return sglang_key(self._namespace, modality, text, self._hashes)
+        except (InvalidKey, TypeError):
+            return None
+
+    def _give_back(self, keys: list[EmbeddingKey]) -> None:
+        """Release claims this store won (their put is done, or they lapsed)."""
+        if self._cache is not None:
+            self._cache.release(keys)
+
     def _plan(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[_Transfer]:
         if not len(hashes) == len(ptrs) == len(sizes):
             raise ValueError(f"{len(hashes)} hashes, {len(ptrs)} pointer lists and {len(sizes)} size lists")
@@ -335,7 +416,15 @@ class MMKeyEmbeddingStore(EmbeddingStore):
         encoder of the fleet stored the same image first) is kept, not rewritten, and one
         that does not verify, does not fit or cannot be read back is replaced. A new entry
         is added only if no encoder holds or is writing it: of encoders racing to put one
-        image, one writes; the others keep its entry (``True``, counted as skipped)."""
+        image, one writes; the others keep its entry (``True``, counted as skipped). The
+        claims this store won for these hashes end here, once the entries are written (or
+        failed to be)."""
+        try:
+            return self._put_entries(hashes, ptrs, sizes)
+        finally:
+            self._won.end(hashes)
+
+    def _put_entries(self, hashes: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[bool]:
         cache = self._cache
         assert cache is not None
         result = [False] * len(hashes)
@@ -400,6 +489,10 @@ _KNOWN_HASHES = 8192
 """How many hashes' pool modalities (and lookup keys, and recent yes answers) a store remembers."""
 _REMEMBER_YES_S = 1.0
 """How long `batch_is_exist` answers a hash yes from memory after the store last did."""
+_WAITERS = max(1, min(32, (os.cpu_count() or 1) + 4) // 2)
+"""How many lookups of one store wait for claimed items at once: half the threads of asyncio's
+default executor, whose threads SGLang's lookups (and the claimant's own insert) run on, so
+waiters never take the thread a claimant needs to put what they wait for."""
 
 
 def _one_text_each(lookups: dict[str, str | tuple[str, ...]], hashes: list[str]) -> list[str] | None:

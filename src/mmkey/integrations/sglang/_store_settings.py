@@ -223,6 +223,7 @@ class StoreSettings:
             f"local_hostname={c.local_hostname} metadata_server={c.metadata_server} "
             f"global_segment_size={c.global_segment_size} local_buffer_size={c.local_buffer_size} "
             f"tenant_id={c.tenant_id} replica_num={c.replica_num} timeout={c.timeout}s "
+            f"claim_wait={c.claim_wait}s "
             f"(from {self.source})"
         )
         return text + "".join(f"; {note}" for note in self.notes)
