@@ -349,8 +349,7 @@ def test_transfer_fail_on_a_write_is_a_counted_false(
 
 
 def test_the_fault_hooks_of_the_fake(master: FakeMooncakeMaster) -> None:
-    from mmkey.cache.mooncake._net import parse_host_port
-    from mmkey.cache.mooncake._ping import master_answers
+    from mmkey.cache.mooncake._net import master_answers, parse_host_port
 
     host, port = parse_host_port(master.address)
     assert master_answers(host, port, 1.0)

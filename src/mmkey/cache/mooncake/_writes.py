@@ -20,12 +20,19 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from mmkey._deadline import Done
 from mmkey._tensors import byte_view, host_ready, nbytes_of
-from mmkey.cache.mooncake._added import Added
-from mmkey.cache.mooncake._parts import CacheParts
+from mmkey.cache.mooncake import Added
 from mmkey.cache.mooncake._reserved import RESERVED_WAIT_S, Reservations, namespaces_of
 from mmkey.cache.mooncake._staging import Staging, aligned, registered, stage_entry
-from mmkey.cache.mooncake._transport import ALREADY_EXISTS, INVALID_PARAMS, RPC_FAILURES, Pending, out_of_time
+from mmkey.cache.mooncake._transport import (
+    ALREADY_EXISTS,
+    INVALID_PARAMS,
+    RPC_FAILURES,
+    CacheParts,
+    Pending,
+    StoreTransport,
+)
 from mmkey.entry.codec import encode_entry_into, entry_header, entry_size
 from mmkey.errors import StoreError
 
@@ -75,18 +82,113 @@ def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, l
         yield chunk
 
 
+class _StagedWrite:
+    """The entries of one `Writer.write` call, sealed into a lane's staging buffer and sent
+    on the worker (`run`), in batches of what the buffer holds.
+
+    The worker reads the caller's tensors only while holding `_reading`, and never after the
+    caller stopped waiting (`release`): a caller that timed out may reuse its tensors at
+    once, and a late encode would store that new data under old keys.
+    """
+
+    def __init__(
+        self,
+        writer: Writer,
+        parts: CacheParts,
+        texts: list[str],
+        tensors: list[torch.Tensor],
+        give_up: float,
+        only_new: bool,
+    ) -> None:
+        keyring = parts.keyring
+        self._writer = writer
+        self._transport = parts.transport
+        self._keyring = keyring
+        self._texts = texts
+        self._tensors = tensors
+        self._sizes = [entry_size(text, t, keyring=keyring) for text, t in zip(texts, tensors, strict=True)]
+        self._give_up = give_up
+        self._only_new = only_new
+        self._ready = host_ready(tensors)  # CUDA tensors: an event on the caller's current stream
+        self._reading = threading.Lock()
+        self._released = threading.Event()
+
+    def run(self, store: MooncakeDistributedStore, lane_staging: Staging) -> dict[str, Added]:
+        """On the worker: seal every entry and send them; what each key's write did."""
+        self._ready.wait()  # the caller's kernels writing the tensors have finished
+        lane_staging.view(store)  # prepared at set-up; this only checks
+        transport = self._transport
+        if not lane_staging.lease.acquire(timeout=transport.left(self._give_up)):
+            raise TimeoutError("the staging buffer stayed busy past the call's deadline")
+        try:
+            stored: dict[str, Added] = {}
+            batch: list[tuple[str, int, int]] = []  # key text, offset, size
+            used = 0
+            for text, t, size in zip(self._texts, self._tensors, self._sizes, strict=True):
+                if size > lane_staging.nbytes:  # a registered buffer of its own
+                    transport.out_of_time(self._give_up)
+                    stored[text] = self._writer.write_large_on_worker(
+                        store, text, t, size, self.encode, self._only_new
+                    )
+                    continue
+                if used + size > lane_staging.nbytes:
+                    transport.out_of_time(self._give_up)
+                    stored.update(self._flush(store, lane_staging.ptr, batch))
+                    batch, used = [], 0
+                with self._reading:
+                    self._check_waited_for()
+                    stage_entry(lane_staging, used, size, text, t, self._keyring)
+                batch.append((text, used, size))
+                used += aligned(size)
+            stored.update(self._flush(store, lane_staging.ptr, batch))
+            return stored
+        finally:
+            lane_staging.lease.release()
+
+    def encode(self, target: memoryview, text: str, tensor: torch.Tensor) -> None:
+        """Seal one entry into `target` (while the caller still waits)."""
+        with self._reading:
+            self._check_waited_for()
+            encode_entry_into(target, text, tensor, keyring=self._keyring)
+
+    def release(self) -> None:
+        """The caller stops waiting: no tensor of its is read after this returns."""
+        # Flag first, then wait out the entry being staged right now, if any: a lane that
+        # re-takes `_reading` entry after entry would otherwise keep a late caller waiting
+        # (the lock is not fair), well past its deadline on a busy host.
+        self._released.set()
+        with self._reading:
+            pass
+
+    def _check_waited_for(self) -> None:
+        if self._released.is_set():
+            raise StoreError("insert_batch stopped waiting; its tensors are not read")
+
+    def _flush(
+        self, store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
+    ) -> dict[str, Added]:
+        if self._only_new:
+            return self._writer.add_staged_on_worker(store, base, batch)
+        return _as_added(self._writer.flush_on_worker(store, base, batch))
+
+
 class Writer:
-    """Runs the writes of one `MooncakeCache` over its transport."""
+    """Runs the writes of one `MooncakeCache` over its transport.
+
+    ``clock`` (by default the transport's) times the waits for reserved keys, ``sleep``
+    pauses between looks at them."""
 
     def __init__(
         self,
         parts: CacheParts,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         reserved_wait: float = RESERVED_WAIT_S,
     ) -> None:
         self._parts = parts
+        self._transport: StoreTransport = parts.transport
+        clock = parts.transport.clock if clock is None else clock
         self._clock = clock
         self._sleep = sleep
         self._reserved = Reservations(reserved_wait, clock)
@@ -102,79 +204,18 @@ class Writer:
     ) -> dict[str, Added]:
         """Write entries through the staging buffer on the worker, within one timeout: upserts,
         or with `only_new` put sessions that write only keys no client holds or is writing."""
-        keyring = self._parts.keyring
-        sizes = [entry_size(text, t, keyring=keyring) for text, t in zip(texts, tensors, strict=True)]
-        ready = host_ready(tensors)  # CUDA tensors: an event on the caller's current stream
-        # The worker reads the caller's tensors only while holding `reading`, and never
-        # after the caller stopped waiting (`released`): a caller that timed out may reuse
-        # its tensors at once, and a late encode would store that new data under old keys.
-        reading = threading.Lock()
-        released = threading.Event()
-
-        def encode(target: memoryview, text: str, tensor: torch.Tensor) -> None:
-            with reading:
-                if released.is_set():
-                    raise StoreError("insert_batch stopped waiting; its tensors are not read")
-                encode_entry_into(target, text, tensor, keyring=keyring)
-
-        def stage(staging: Staging, at: int, size: int, text: str, tensor: torch.Tensor) -> None:
-            with reading:
-                if released.is_set():
-                    raise StoreError("insert_batch stopped waiting; its tensors are not read")
-                stage_entry(staging, at, size, text, tensor, keyring)
-
-        def write(store: MooncakeDistributedStore, lane_staging: Staging) -> dict[str, Added]:
-            ready.wait()  # the caller's kernels writing the tensors have finished
-            lane_staging.view(store)  # prepared at set-up; this only checks
-            if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
-                raise TimeoutError("the staging buffer stayed busy past the call's deadline")
-            try:
-                return fill_and_flush(store, lane_staging)
-            finally:
-                lane_staging.lease.release()
-
-        def flush(
-            store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
-        ) -> dict[str, Added]:
-            if only_new:
-                return self._add_staged_on_worker(store, base, batch)
-            return _as_added(self._flush_on_worker(store, base, batch))
-
-        def fill_and_flush(store: MooncakeDistributedStore, staging: Staging) -> dict[str, Added]:
-            stored: dict[str, Added] = {}
-            batch: list[tuple[str, int, int]] = []  # key text, offset, size
-            used = 0
-            for text, t, size in zip(texts, tensors, sizes, strict=True):
-                if size > staging.nbytes:
-                    out_of_time(give_up)
-                    stored[text] = self._write_large_on_worker(store, text, t, size, encode, only_new)
-                    continue
-                if used + size > staging.nbytes:
-                    out_of_time(give_up)
-                    stored.update(flush(store, staging.ptr, batch))
-                    batch, used = [], 0
-                stage(staging, used, size, text, t)
-                batch.append((text, used, size))
-                used += aligned(size)
-            stored.update(flush(store, staging.ptr, batch))
-            return stored
-
+        staged = _StagedWrite(self, self._parts, texts, tensors, give_up, only_new)
         try:
-            if not self._parts.transport.ready(give_up):
+            if not self._transport.ready(give_up):
                 return {}
-            lane = self._parts.transport.pick_lane(set())
+            lane = self._transport.pick_lane(set())
             if lane is None:
                 self._parts.skipped("every transfer lane stuck")
                 return {}
-            outcome = self._parts.transport.finish(self._parts.transport.submit(lane, write), give_up)
-            return {} if isinstance(outcome, BaseException) else outcome
+            outcome = self._transport.finish(self._transport.submit(lane, staged.run), give_up)
+            return outcome.value if isinstance(outcome, Done) else {}
         finally:
-            # Flag first, then wait out the entry being staged right now, if any: a lane that
-            # re-takes `reading` entry after entry would otherwise keep a late caller waiting
-            # (the lock is not fair), well past its deadline on a busy host.
-            released.set()
-            with reading:
-                pass
+            staged.release()
 
     def write_from(self, latest: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, bool]:
         """Store payloads held in runs: straight from registered memory when the key is new,
@@ -192,9 +233,9 @@ class Writer:
                 return transport.register_regions(store), store.batch_is_exist(texts)
 
             looked = transport.meta(look, give_up)
-            if looked is None:
+            if not isinstance(looked, Done):
                 return stored
-            registered_now, codes = looked
+            registered_now, codes = looked.value
             if not RPC_FAILURES.isdisjoint(codes):
                 transport.fail()
                 return stored
@@ -228,13 +269,13 @@ class Writer:
         outcome: dict[str, Added] = {}
         texts = list(payloads)
         due = self._reserved.due(texts)
-        budget = max(give_up - time.monotonic(), 0.0) / 2
-        stop = time.monotonic() + budget
+        budget = self._transport.left(give_up) / 2
+        stop = self._transport.clock() + budget
         step = self._reserved.wait / _RESERVED_POLLS
         if due - self._clock() > budget:
             return dict.fromkeys(texts, Added.RESERVED)
         while texts and (left := due - self._clock()) > 0:
-            if time.monotonic() >= stop:  # the looks took the time
+            if self._transport.clock() >= stop:  # the looks took the time
                 return {**outcome, **dict.fromkeys(texts, Added.RESERVED)}
             self._sleep(min(step, left))
             held = self._held(texts, give_up)
@@ -253,9 +294,10 @@ class Writer:
 
     def _held(self, texts: list[str], give_up: float) -> set[str] | None:
         """Which of `texts` the store holds; None if the master did not answer."""
-        codes = self._parts.transport.meta(lambda store: store.batch_is_exist(texts), give_up)
-        if codes is None:
+        looked = self._transport.meta(lambda store: store.batch_is_exist(texts), give_up)
+        if not isinstance(looked, Done):
             return None
+        codes = looked.value
         if not RPC_FAILURES.isdisjoint(codes):
             self._parts.transport.fail()
             return None
@@ -271,9 +313,9 @@ class Writer:
         if direct:
             transport = self._parts.transport
             registered_now = transport.meta(transport.register_regions, give_up)
-            if registered_now is None:
+            if not isinstance(registered_now, Done):
                 return added
-            if registered_now:
+            if registered_now.value:
                 added.update(self._put_direct(direct, give_up, only_new=True))
             else:
                 staged.update(direct)
@@ -300,13 +342,13 @@ class Writer:
 
         def drain_one() -> None:
             pending = inflight.popleft()
-            outcome = self._parts.transport.finish(pending, give_up)
-            if not isinstance(outcome, BaseException):
-                stored.update(outcome)
-                taken.discard(self._parts.transport.lanes.index(pending.lane))
+            outcome = self._transport.finish(pending, give_up)
+            if isinstance(outcome, Done):
+                stored.update(outcome.value)
+                taken.discard(self._transport.lanes.index(pending.lane))
 
         for chunk in _put_chunks(payloads):
-            if time.monotonic() >= give_up:
+            if self._transport.clock() >= give_up:
                 break
             headers = {
                 text: entry_header(text, runs, keyring=self._parts.keyring) for text, runs in chunk.items()
@@ -339,10 +381,10 @@ class Writer:
         only_new: bool,
     ) -> dict[str, Added]:
         staging = lane_staging.view(store)
-        if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
+        if not lane_staging.lease.acquire(timeout=self._transport.left(give_up)):
             raise TimeoutError("the staging buffer stayed busy past the call's deadline")
         try:
-            out_of_time(give_up)
+            self._transport.out_of_time(give_up)
             keys: list[str] = []
             ptrs: list[list[int]] = []
             sizes: list[list[int]] = []
@@ -459,7 +501,7 @@ class Writer:
             self._replicas = replicas
         return self._replicas
 
-    def _flush_on_worker(
+    def flush_on_worker(
         self, store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
     ) -> dict[str, bool]:
         if not batch:
@@ -471,7 +513,7 @@ class Writer:
         # strict=False: keys the binding's answer leaves out are not stored
         return {text: code == 0 for text, code in zip(keys, codes, strict=False)}
 
-    def _add_staged_on_worker(
+    def add_staged_on_worker(
         self, store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
     ) -> dict[str, Added]:
         """`_add_on_worker` of entries sealed in staging at ``base``."""
@@ -482,7 +524,7 @@ class Writer:
             store, keys, [[base + at] for _, at, _ in batch], [[n] for _, _, n in batch]
         )
 
-    def _write_large_on_worker(
+    def write_large_on_worker(
         self,
         store: MooncakeDistributedStore,
         text: str,
