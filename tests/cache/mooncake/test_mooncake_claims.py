@@ -190,12 +190,9 @@ def test_a_squatters_lease_costs_a_waiter_the_bound_and_counts_as_timed_out(make
 def test_a_lease_key_written_as_an_object_is_unclaimed_at_once(make: Any) -> None:
     a, squatter = make(), make()
     [k] = fresh(1)
-    assert (
-        squatter._transport.meta(
-            lambda store: store.put(lease_key(k.to_key()), b"squat"), time.monotonic() + 5
-        )
-        == Done(0)
-    )
+    assert squatter._transport.meta(
+        lambda store: store.put(lease_key(k.to_key()), b"squat"), time.monotonic() + 5
+    ) == Done(0)
     assert a.claim([k]) == [Claim.UNCLAIMED]
 
 
