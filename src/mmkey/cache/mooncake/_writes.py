@@ -23,10 +23,16 @@ from typing import TYPE_CHECKING
 from mmkey._deadline import Done
 from mmkey._tensors import byte_view, host_ready, nbytes_of
 from mmkey.cache.mooncake import Added
-from mmkey.cache.mooncake._reserved import RESERVED_WAIT_S, Reservations, namespaces_of
+from mmkey.cache.mooncake._reserved import (
+    RESERVED_WAIT_S,
+    Reservations,
+    fill_sessions,
+    namespaces_of,
+    refused_as,
+    reserved_or_held,
+)
 from mmkey.cache.mooncake._staging import Staging, aligned, registered, stage_entry
 from mmkey.cache.mooncake._transport import (
-    ALREADY_EXISTS,
     INVALID_PARAMS,
     RPC_FAILURES,
     CacheParts,
@@ -56,15 +62,6 @@ def _as_added(stored: dict[str, bool]) -> dict[str, Added]:
 def _as_stored(outcomes: dict[str, Added]) -> dict[str, bool]:
     """`Added` outcomes as whether each key was written by this call."""
     return {text: outcome is Added.STORED for text, outcome in outcomes.items()}
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    """Where each of an entry's buffers lands in the entry: the sizes before it, summed."""
-    at, offsets = 0, []
-    for size in sizes:
-        offsets.append(at)
-        at += size
-    return offsets
 
 
 def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, list[torch.Tensor]]]:
@@ -432,15 +429,15 @@ class Writer:
         starts = self._restart_stuck(store, keys, totals, starts)
         self._forget_stuck([key for key, code in zip(keys, starts, strict=False) if code == 0])
         outcome = {
-            key: _refused(code, key in self._stuck)
+            key: refused_as(code, key in self._stuck)
             for key, code in zip(keys, starts, strict=False)  # keys left unanswered: not written
             if code != 0
         }
-        outcome.update(_reserved_or_held(store, [key for key, o in outcome.items() if o is Added.RESERVED]))
+        outcome.update(reserved_or_held(store, [key for key, o in outcome.items() if o is Added.RESERVED]))
         opened = [i for i, code in enumerate(starts[: len(keys)]) if code == 0]
         stuck: set[str] = set()
         try:
-            ended = _fill_sessions(
+            ended = fill_sessions(
                 store,
                 [keys[i] for i in opened],
                 [ptrs[i] for i in opened],
@@ -554,63 +551,3 @@ def _joined(runs_of: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
     import torch
 
     return [runs[0] if len(runs) == 1 else torch.cat(runs) for runs in runs_of.values()]
-
-
-def _refused(code: int, stuck: bool) -> Added:
-    """What a refused session start means: `Added.RESERVED` where the store holds the key or
-    another client reserves it (told apart by `_reserved_or_held`), `Added.HELD` where this
-    client writes it on another lane, else `Added.FAILED`."""
-    if code == ALREADY_EXISTS:
-        return Added.RESERVED
-    if code == INVALID_PARAMS and not stuck:
-        return Added.HELD
-    return Added.FAILED
-
-
-def _reserved_or_held(store: MooncakeDistributedStore, keys: list[str]) -> dict[str, Added]:
-    """Keys whose session start another client's session or entry refused: `Added.HELD`
-    where the store holds the key, `Added.RESERVED` where it does not (a write in progress,
-    or a squat), `Added.FAILED` where the master's answer says neither."""
-    if not keys:
-        return {}
-    codes = store.batch_is_exist(keys)
-    found = dict(zip(keys, codes, strict=False))
-    return {
-        key: Added.HELD if found.get(key) == 1 else Added.RESERVED if found.get(key) == 0 else Added.FAILED
-        for key in keys
-    }
-
-
-def _fill_sessions(
-    store: MooncakeDistributedStore,
-    keys: list[str],
-    ptrs: list[list[int]],
-    sizes: list[list[int]],
-    totals: list[int],
-    stuck: set[str],
-) -> set[str]:
-    """Send each opened session's buffers and end it; the keys made readable. Every other
-    session is revoked, whatever happens, so that no reservation outlives this call; the
-    keys whose revoke was refused too are added to `stuck`."""
-    ended: set[str] = set()
-    try:
-        if not keys:
-            return ended
-        offsets = [_offsets(run) for run in sizes]
-        sent = store.batch_put_from_multi_buffer_ranges(keys, ptrs, sizes, offsets)
-        # a range write answers the bytes it wrote; ending a short one would serve whatever
-        # the holder's memory held in the rest
-        whole = [key for key, n, total in zip(keys, sent, totals, strict=False) if n == total]
-        if whole:
-            codes = store.batch_put_session_end(whole)
-            ended.update(key for key, code in zip(whole, codes, strict=False) if code == 0)
-        return ended
-    finally:
-        unfinished = [key for key in keys if key not in ended]
-        if unfinished:
-            revoked: list[int] = []
-            try:
-                revoked = store.batch_put_session_revoke(unfinished)
-            finally:
-                answered = dict(zip(unfinished, revoked, strict=False))
-                stuck.update(key for key in unfinished if answered.get(key, -1) != 0)
