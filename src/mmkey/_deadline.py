@@ -101,7 +101,12 @@ Outcome = Done[T] | Failed
 
 
 class _Task:
-    """One callable queued on a lane; its future settles when it has run (or the lane closed)."""
+    """One callable queued on a lane; its future settles when it has run (or the lane closed).
+
+    A `concurrent.futures.Future`: measured on an idle host, a hop to a lane and back costs
+    about 20 µs with it against 15 µs with the hand-made future it replaced, while a store
+    call costs milliseconds (``batch_is_exist`` of 1000 keys: about 0.5 ms).
+    """
 
     __slots__ = ("abandoned", "closed", "finished", "fn", "future", "value")
 

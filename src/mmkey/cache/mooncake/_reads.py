@@ -282,11 +282,12 @@ class Reader:
         try:
             # strict=False: keys the binding's answer leaves out are misses
             for i, (text, code) in enumerate(zip(transfer.keys, codes, strict=False)):
-                if code > bound(text):  # fits the batch's slot, not what its own reader takes
-                    self._oversized(text, code, bound(text))
+                if code > (limit := bound(text)):  # fits the batch's slot, not its own reader
+                    self._oversized(text, code, limit)
                 elif code > 0:
-                    if sink(text, staging[i * slot : i * slot + code]):
-                        largest = max(largest, code)
+                    at = i * slot
+                    if sink(text, staging[at : at + code]) and code > largest:
+                        largest = code
                 elif code == BUFFER_TOO_SMALL:
                     too_big.append(text)
                 elif code in TRANSFER_FAILURES:
