@@ -85,7 +85,7 @@ def instrument() -> None:
     for owner, name, phase in (
         (writes, "encode_entry_into", "encode"),
         (writes, "stage_entry", "encode"),
-        (writes.Writer, "_flush_on_worker", "batch_upsert_from"),
+        (writes.Writer, "flush_on_worker", "batch_upsert_from"),
         (_mooncake_staging.Staging, "view", "staging alloc+register"),
         (_mooncake_staging.Staging, "prepare", "staging alloc+register"),
         (_mooncake_transport.StoreTransport, "ready", "ready (breaker, master ping)"),

@@ -1,143 +1,140 @@
-"""Blocking calls on a worker thread, each waited for at most its timeout, and a breaker.
+"""Blocking calls on a worker thread, each waited for until a give-up time, and a breaker.
 
-A store binding can block for tens of seconds when its server hangs. `DeadlineRunner` runs
-callables one at a time on a daemon thread (a lane) and a caller waits at most its timeout
-for one (`CallTimeout` after it). Calls queue behind a healthy call; `is_stuck` tells the
-caller that the running call has outlived its timeout, so it can answer at once instead of
-queueing behind it, and a call that timed out in the queue is cancelled, never run. A caller
-that stops waiting for any reason (the timeout, ``KeyboardInterrupt``, the runner closing)
-hands the call's eventual result to a release function, so nothing it holds (a staging
-lease) is lost. `Breaker` refuses calls for a while after a failure. Nothing here knows the
-store it guards (the Mooncake transport uses it).
+A store binding can block for tens of seconds when its server hangs. A `Lane` runs callables
+one at a time on a daemon thread, and a caller waits for one until its give-up time on the
+lane's `Clock`; whatever happens, it gets one `Outcome`: `Done` (the call's value) or
+`Failed` (why: the call raised, ran past the give-up time, never started, or the lane
+closed). Nothing raises out of a wait but an exception of the waiting thread itself
+(``KeyboardInterrupt``). Calls queue behind a healthy call; `Lane.is_stuck` tells that the
+running call has outlived a timeout (by the clock), so a caller can answer at once instead of
+queueing behind it; a call still queued at its give-up time is cancelled, never run. A caller
+that stops waiting hands the call's eventual value to a release function, so nothing it holds
+(a staging lease) is lost. `Breaker` refuses calls for a while after a failure. Nothing here
+knows the store it guards (the Mooncake transport uses it).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import enum
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
+
+import attrs
 
 from mmkey.errors import CallTimeout, StoreClosed
 
-__all__ = ["Breaker", "Call", "CallTimeout", "DeadlineRunner"]
+__all__ = ["Breaker", "CallTimeout", "Clock", "Done", "Failed", "Lane", "Outcome", "Ticket", "Why"]
 
 T = TypeVar("T")
-
-_QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
+T_co = TypeVar("T_co", covariant=True)
 _LOG = logging.getLogger("mmkey.cache")
 
 
-class Call(Generic[T]):
-    """One callable queued on a `DeadlineRunner`, and its outcome once it has run.
+class Clock:
+    """Monotonic seconds (call it), and a wait for a future bounded by them.
 
-    Lighter than a `concurrent.futures.Future` (measured: the hop to a lane and back cost
-    about 20 µs less): the only thing a waiter blocks on is the call's gate, a lock held
-    from submission until the call is settled (run or cancelled) or its runner closes.
-    State changes happen under the runner's lock.
+    The default reads ``time.monotonic``; a test passes a clock of its own, whose time it
+    advances, so that a stuck call and the bound on waiting for it are told by that clock.
     """
 
-    __slots__ = ("_callbacks", "_error", "_fn", "_gate", "_lock", "_open", "_state", "_value")
+    def __call__(self) -> float:
+        return time.monotonic()
 
-    def __init__(self, fn: Callable[[], T], lock: threading.Lock) -> None:
-        self._fn: Callable[[], T] | None = fn
-        self._lock = lock
-        self._gate = threading.Lock()
-        self._gate.acquire()
-        self._open = False
-        self._state = _QUEUED
-        self._value: T | None = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Call[T]], object]] = []
-
-    def _wake(self) -> None:
-        """Let waiters through (once; the runner's lock is held)."""
-        if not self._open:
-            self._open = True
-            self._gate.release()
-
-    def wait(self, timeout: float | None) -> bool:
-        """Wait until the call is settled or its runner closes, at most `timeout` seconds
-        (``None``: no limit); whether either happened."""
-        if not self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            return False
-        self._gate.release()  # stays open for any other waiter
-        return True
-
-    def done(self) -> bool:
-        """Whether the call has run (or was cancelled)."""
-        return self._state >= _DONE
-
-    def cancelled(self) -> bool:
-        """Whether the call was cancelled before it ran."""
-        return self._state == _CANCELLED
-
-    def cancel(self) -> bool:
-        """Cancel the call unless it has started; whether it is cancelled."""
-        with self._lock:
-            if self._state == _QUEUED:
-                self._state, self._fn = _CANCELLED, None
-                self._wake()
-                callbacks, self._callbacks = self._callbacks, []
-            else:
-                return self._state == _CANCELLED
-        self._run_callbacks(callbacks)
-        return True
-
-    def exception(self) -> BaseException | None:
-        """The exception the call raised (``None`` if it returned or has not run)."""
-        return self._error
-
-    def result(self, timeout: float | None = None) -> T:
-        """The call's result (or its exception, raised), waiting at most `timeout` seconds;
-        `CallTimeout` if it has not finished by then (or was cancelled)."""
-        self.wait(timeout)
-        if self._state != _DONE:
-            why = "was cancelled" if self._state == _CANCELLED else "has not finished"
-            raise CallTimeout(f"the call {why}")
-        if self._error is not None:
-            raise self._error
-        return self._value  # type: ignore[return-value]  # set with the state, under the lock
-
-    def add_done_callback(self, callback: Callable[[Call[T]], object]) -> None:
-        """Call `callback(self)` once the call is settled (at once if it is)."""
-        with self._lock:
-            if self._state < _DONE:
-                self._callbacks.append(callback)
-                return
-        self._run_callbacks([callback])
-
-    def _settle(self, value: T | None, error: BaseException | None) -> list[Callable[[Call[T]], object]]:
-        """Record the outcome (the runner's lock is held); the callbacks to run now."""
-        self._state, self._value, self._error, self._fn = _DONE, value, error, None
-        self._wake()
-        callbacks, self._callbacks = self._callbacks, []
-        return callbacks
-
-    def _run_callbacks(self, callbacks: list[Callable[[Call[T]], object]]) -> None:
-        for callback in callbacks:
-            try:
-                callback(self)
-            except Exception:
-                _LOG.exception("a store call's done callback failed")
+    def wait(self, future: concurrent.futures.Future[Any], seconds: float) -> bool:
+        """Wait until `future` is settled, at most `seconds` of this clock; whether it is."""
+        if seconds > 0:
+            with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                future.exception(seconds)
+        return future.done()
 
 
-class DeadlineRunner:
-    """Runs callables one at a time on a daemon thread; callers wait at most a timeout.
+MONOTONIC = Clock()
+"""The wall's monotonic clock."""
 
-    The worker waits on its own queue; each call carries its own gate (`Call`), so a hop
-    costs one queue put, one thread wake-up each way and no shared condition variable.
+
+class Why(enum.Enum):
+    """Why a call has no value."""
+
+    RAISED = "raised"
+    """The call ran and raised (`Failed.error`)."""
+    TIMED_OUT = "timed out"
+    """The call was running at the give-up time (it may finish later)."""
+    NOT_STARTED = "not started"
+    """The call was still queued at the give-up time: cancelled, it never ran."""
+    CLOSED = "closed"
+    """The lane closed while the caller waited."""
+
+
+@attrs.frozen(slots=True)
+class Done(Generic[T]):
+    """A call that returned `value`."""
+
+    value: T
+
+
+@attrs.frozen(slots=True)
+class Failed:
+    """A call that gave no value, and why; `error` is what it raised (`Why.RAISED`), or a
+    `CallTimeout` / `StoreError` describing the other cases."""
+
+    why: Why
+    error: BaseException
+
+    @classmethod
+    def of(cls, why: Why, message: str) -> Failed:
+        """A failure without an exception of the call's own."""
+        return cls(why, StoreClosed(message) if why is Why.CLOSED else CallTimeout(message))
+
+
+Outcome = Done[T] | Failed
+"""What a wait on a call gives: its value, or why there is none."""
+
+
+class _Task:
+    """One callable queued on a lane; its future settles when it has run (or the lane closed).
+
+    A `concurrent.futures.Future`: measured on an idle host, a hop to a lane and back costs
+    about 20 µs with it against 15 µs with the hand-made future it replaced, while a store
+    call costs milliseconds (``batch_is_exist`` of 1000 keys: about 0.5 ms).
     """
 
-    def __init__(self, name: str) -> None:
-        self._tasks: queue.SimpleQueue[Call[object] | None] = queue.SimpleQueue()
+    __slots__ = ("abandoned", "closed", "finished", "fn", "future", "value")
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn: Callable[[], object] | None = fn
+        self.future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self.abandoned: Callable[[Any], object] | None = None
+        self.finished = False  # the call ran to the end (the lane's lock is held to change it)
+        self.closed = False  # the lane settled the future when it closed
+        self.value: object = None
+
+
+class Ticket(Generic[T_co]):
+    """A call submitted to a `Lane`; wait for it with `Lane.wait`."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self, task: _Task) -> None:
+        self._task = task
+
+
+class Lane:
+    """Runs callables one at a time on a daemon thread; callers wait until a give-up time."""
+
+    def __init__(self, name: str, clock: Clock = MONOTONIC) -> None:
+        self.clock = clock
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._pending = 0
         self._running_since: float | None = None
         self._lock = threading.Lock()
         self._closing = False
-        self._unsettled: set[Call[object]] = set()
+        self._unsettled: set[_Task] = set()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -146,103 +143,109 @@ class DeadlineRunner:
         return self._pending > 0
 
     def is_stuck(self, after: float) -> bool:
-        """Whether the call running now started more than `after` seconds ago.
+        """Whether the call running now started more than `after` seconds ago (by the clock).
 
         Calls queued behind a healthy call are worth waiting for (each caller still waits
-        at most its timeout); calls behind a stuck one are not.
+        until its give-up time); calls behind a stuck one are not.
         """
         since = self._running_since
-        return since is not None and time.monotonic() - since > after
+        return since is not None and self.clock() - since > after
 
-    def submit(self, fn: Callable[[], T]) -> Call[T]:
-        """Queue `fn`; the returned `Call` settles when the worker has run it."""
-        call: Call[T] = Call(fn, self._lock)
+    def submit(self, fn: Callable[[], T]) -> Ticket[T]:
+        """Queue `fn`; wait for its outcome with `wait`."""
+        task = _Task(fn)
         with self._lock:
-            self._pending += 1
-            self._unsettled.add(call)  # type: ignore[arg-type]
             if self._closing:
-                call._wake()  # a waiter learns at once that the runner is closed
-        self._tasks.put(call)  # type: ignore[arg-type]
-        return call
+                task.fn, task.closed = None, True
+                task.future.set_exception(StoreClosed("the store is closed"))
+            else:
+                self._pending += 1
+                self._unsettled.add(task)
+        if task.fn is not None:
+            self._tasks.put(task)
+        return Ticket(task)
 
-    def call(
-        self,
-        fn: Callable[[], T],
-        timeout: float,
-        abandoned: Callable[[T], object] | None = None,
-    ) -> T:
-        """Run `fn` on the worker and return its result, or raise `CallTimeout`.
+    def run(
+        self, fn: Callable[[], T], give_up: float, abandoned: Callable[[T], object] | None = None
+    ) -> Outcome[T]:
+        """Run `fn` on the worker; its outcome by `give_up` (a time of the lane's clock).
 
-        A call that the caller stops waiting for before the worker started it is cancelled:
-        it never runs. One that is already running hands its eventual result to `abandoned`
-        (to release what the result holds), since no caller will. That holds whatever ends
-        the wait: the timeout (`CallTimeout`), `close` (`StoreClosed`) or an exception
-        raised in the waiting thread (``KeyboardInterrupt``), which propagates.
+        A call the caller stops waiting for before the worker started it is cancelled: it
+        never runs. One that is already running hands its eventual value to `abandoned` (to
+        release what the value holds), since no caller will. That holds whatever ends the
+        wait: the give-up time, `close`, or an exception raised in the waiting thread
+        (``KeyboardInterrupt``), which propagates.
         """
-        return self.wait_for(self.submit(fn), timeout, abandoned)
+        return self.wait(self.submit(fn), give_up, abandoned)
 
-    def wait_for(
-        self,
-        call: Call[T],
-        timeout: float,
-        abandoned: Callable[[T], object] | None = None,
-    ) -> T:
-        """Wait at most `timeout` seconds for a `submit`-ted call, as `call` does."""
+    def wait(
+        self, ticket: Ticket[T], give_up: float, abandoned: Callable[[T], object] | None = None
+    ) -> Outcome[T]:
+        """The outcome of a `submit`-ted call by `give_up`, as `run` gives it."""
+        task = ticket._task
+        future = task.future
         try:
-            call.wait(timeout)
+            settled = future.done() or self.clock.wait(future, give_up - self.clock())
         except BaseException:
-            self._abandon(call, abandoned)
+            self._abandon(task, abandoned)
             raise
-        if call._state == _DONE:  # settled: the gate opened after the outcome was set
-            if call._error is not None:
-                raise call._error
-            return call._value  # type: ignore[return-value]  # set with the state
-        self._abandon(call, abandoned)
-        if self._closing:
-            raise StoreClosed("the store was closed while this call waited")
-        raise CallTimeout(f"store call still running after {timeout:.3g} s")
+        if settled:
+            if future.cancelled():  # queued when the lane closed
+                return Failed.of(Why.CLOSED, "the store was closed while this call waited")
+            error = future.exception()
+            if error is None:
+                return Done(cast("T", future.result()))
+            if task.closed:
+                self._abandon(task, abandoned)
+                return Failed(Why.CLOSED, error)
+            return Failed(Why.RAISED, error)
+        if future.cancel():
+            return Failed.of(Why.NOT_STARTED, "the call was still queued at its give-up time")
+        self._abandon(task, abandoned)  # running (or finished just now: still late)
+        return Failed.of(Why.TIMED_OUT, "store call still running at its give-up time")
 
-    @staticmethod
-    def _abandon(call: Call[T], abandoned: Callable[[T], object] | None) -> None:
-        if call.cancel() or abandoned is None:
+    def _abandon(self, task: _Task, abandoned: Callable[[Any], object] | None) -> None:
+        """Hand the call's eventual value to `abandoned` (at once if it has one already)."""
+        if task.future.cancel() or abandoned is None:
             return
-        hand_over = abandoned
-
-        def release(done: Call[T]) -> None:
-            if done._state == _DONE and done._error is None:
-                hand_over(done._value)  # type: ignore[arg-type]  # set with the state
-
-        call.add_done_callback(release)  # runs at once if the call is already done
+        with self._lock:
+            finished = task.finished
+            if not finished:
+                task.abandoned = abandoned
+        if finished and task.future.done() and task.future.exception() is None:
+            _handed(abandoned, task.value)
 
     def stop(self) -> None:
         """Let the worker exit once the calls already queued have run."""
         self._tasks.put(None)
 
     def close(self) -> None:
-        """Stop waiting: callers waiting now or later get `StoreClosed` at once, queued calls
-        that nobody waits for are cancelled, and the worker exits after the calls queued."""
+        """Stop waiting: callers waiting now or later get `Why.CLOSED` at once, queued calls
+        are cancelled, and the worker exits after the call it is running."""
         with self._lock:
             self._closing = True
-            for call in self._unsettled:
-                call._wake()
+            unsettled, self._unsettled = list(self._unsettled), set()
+        for task in unsettled:
+            task.closed = True
+            if not task.future.cancel():  # running: its waiters are told now, its value later
+                _settle(task.future, None, StoreClosed("the store was closed while this call waited"))
         self.stop()
 
     def join(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for the worker to exit; whether it has."""
+        """Wait up to `timeout` seconds (of the wall) for the worker to exit; whether it has."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
     def _work(self) -> None:
         lock = self._lock
-        while (call := self._tasks.get()) is not None:
-            with lock:
-                fn = call._fn
-                if call._state != _QUEUED or fn is None:  # cancelled
+        while (task := self._tasks.get()) is not None:
+            fn = task.fn
+            if fn is None or not task.future.set_running_or_notify_cancel():  # cancelled
+                with lock:
                     self._pending -= 1
-                    self._unsettled.discard(call)
-                    continue
-                call._state = _RUNNING
-                self._running_since = time.monotonic()
+                    self._unsettled.discard(task)
+                continue
+            self._running_since = self.clock()
             value: object = None
             error: BaseException | None = None
             try:
@@ -250,12 +253,32 @@ class DeadlineRunner:
             except BaseException as exc:  # handed to the caller
                 error = exc
             with lock:
-                callbacks = call._settle(value, error)
+                task.fn, task.finished, task.value = None, True, value
+                hand = task.abandoned
                 self._pending -= 1
                 self._running_since = None
-                self._unsettled.discard(call)
-            if callbacks:
-                call._run_callbacks(callbacks)
+                self._unsettled.discard(task)
+            _settle(task.future, value, error)
+            if hand is not None and error is None:
+                _handed(hand, value)
+
+
+def _settle(future: concurrent.futures.Future[object], value: object, error: BaseException | None) -> None:
+    """Set `future`'s outcome unless `Lane.close` set it first."""
+    try:
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _handed(abandoned: Callable[[Any], object], value: object) -> None:
+    try:
+        abandoned(value)
+    except Exception:
+        _LOG.exception("releasing the value of an abandoned store call failed")
 
 
 class Breaker:

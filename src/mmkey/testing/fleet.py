@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmkey.cache.mooncake._master_http import read_metrics, segment_names
 from mmkey.cache.mooncake._net import port_accepts
-from mmkey.cache.mooncake._replicas import memory_endpoints
+from mmkey.cache.mooncake._reads import memory_endpoints
 from mmkey.cache.mooncake.holder import HolderSpec, find_holder_binary
 from mmkey.errors import FleetStartError, ShapingUnavailable
 from mmkey.testing._process import (

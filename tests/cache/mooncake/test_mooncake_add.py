@@ -16,7 +16,8 @@ import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.cache.mooncake import Added, MooncakeConfig
-from mmkey.cache.mooncake._writes import Writer, _fill_sessions
+from mmkey.cache.mooncake._reserved import fill_sessions
+from mmkey.cache.mooncake._writes import Writer
 from mmkey.testing.mooncake_master import MasterProcess
 from tests._support import ROOMY_TIMEOUT, MiB, local_config, raw_client, timed
 
@@ -151,7 +152,7 @@ def test_a_session_whose_bytes_did_not_all_land_is_revoked_never_ended() -> None
     store = _Sessions(sent=[30, 7])  # the second wrote 7 of its 8 bytes: stale bytes would follow
     scripted = cast("MooncakeDistributedStore", store)  # the real store makes no partial write on call
     stuck: set[str] = set()
-    ended = _fill_sessions(scripted, ["a", "b"], [[1, 2], [3]], [[10, 20], [8]], [30, 8], stuck)
+    ended = fill_sessions(scripted, ["a", "b"], [[1, 2], [3]], [[10, 20], [8]], [30, 8], stuck)
     assert ended == {"a"}
     assert (store.ended, store.revoked, stuck) == (["a"], ["b"], set())
 

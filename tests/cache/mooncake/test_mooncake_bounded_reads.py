@@ -143,3 +143,26 @@ def test_the_read_slot_learns_only_from_entries_that_verified(
         got = cache.get_embeddings([key(21)])[0]
         assert got is not None and torch.equal(got, genuine)
         assert lanes[0].staging.slots.slot > 4 * MiB
+
+
+@pytest.mark.parametrize("keyring", [RING, None], ids=["signed", "unsigned"])
+def test_an_entry_past_its_own_bound_is_not_handed_over_from_a_shared_batch(
+    mooncake_master_session: MasterProcess, keyring: EntryKeyring | None
+) -> None:
+    # One batch read, two keys of different bounds: the slot fits the larger key's target,
+    # so the small key's 64 KiB entry arrives in full; it is still larger than its own
+    # target can take, so it must be counted oversized and never decoded.
+    cfg = local_config(mooncake_master_session, timeout=10.0)
+    small_key, large_key = key(30), key(31)
+    entry, wanted = torch.randn(64, 256), torch.randn(64, 256)
+    with MooncakeCache(cfg, keyring=keyring) as cache:
+        assert cache.insert_batch([small_key, large_key], [entry, wanted]) == [True, True]
+        small, large = torch.zeros(4, 4), torch.zeros(64, 256)
+        assert cache.read_into([small_key, large_key], [small, large]) == [False, True]
+        assert torch.equal(large, wanted) and bool((small == 0).all())
+        stats = cache.stats()
+        assert stats.oversized == 1
+        if keyring is None:
+            assert (stats.corrupt, stats.forged) == (1, 0)
+        else:
+            assert (stats.corrupt, stats.forged, stats.bad_mac) == (0, 1, 1)

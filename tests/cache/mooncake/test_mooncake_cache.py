@@ -249,13 +249,12 @@ def test_killed_and_restarted_master(mooncake_master: MasterProcess) -> None:
         k = key(10_000)
         c.insert_batch([k], [torch.ones(8)])
         mooncake_master.kill()
+        # the give-up time of each call is the fake-clock tests' (test_mooncake_clock.py) and
+        # the hung master's below, in real time; here, what a dead master's calls answer
         for _ in range(5):
-            got, took = timed(lambda: c.get_embeddings([k]))
-            assert got == [None] and took < BOUND
-            ok, took = timed(lambda: c.insert_batch([k], [torch.ones(8)]))
-            assert ok == [False] and took < BOUND
-            exists, took = timed(lambda: c.batch_is_exist([k]))
-            assert exists == [False] and took < BOUND
+            assert c.get_embeddings([k]) == [None]
+            assert c.insert_batch([k], [torch.ones(8)]) == [False]
+            assert c.batch_is_exist([k]) == [False]
         assert c.stats().errors > 0 and not c.is_connected()
         mooncake_master.restart()
         # a restarted master has lost its keys: a cold cache, then writes work again

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
+from mmkey._deadline import Done
 from mmkey.cache.mooncake import MooncakeConfig
 from mmkey.cache.mooncake._claims import LEASE_SUFFIX, POLL_MAX_S, Claims, lease_key
 from mmkey.cache.protocol import CacheStats, Claim, ClaimingCache
@@ -166,7 +167,7 @@ def test_a_stale_session_of_this_client_is_revoked_and_claimed_again(make: Any) 
     opened = a._transport.meta(
         lambda store: store.batch_put_session_start([lease], [8]), time.monotonic() + 5
     )
-    assert opened == [0]  # as if a revoke had failed: this client holds the session, no caller does
+    assert opened == Done([0])  # as if a revoke had failed: this client holds the session, no caller does
     assert a.claim([k]) == [Claim.WON]
 
 
@@ -177,7 +178,7 @@ def test_a_squatters_lease_costs_a_waiter_the_bound_and_counts_as_timed_out(make
     opened = squatter._transport.meta(
         lambda store: store.batch_put_session_start([lease], [8]), time.monotonic() + 5
     )
-    assert opened == [0]
+    assert opened == Done([0])
     before = a.stats()
     assert a.claim([k]) == [Claim.HELD]
     start = time.monotonic()
@@ -189,12 +190,9 @@ def test_a_squatters_lease_costs_a_waiter_the_bound_and_counts_as_timed_out(make
 def test_a_lease_key_written_as_an_object_is_unclaimed_at_once(make: Any) -> None:
     a, squatter = make(), make()
     [k] = fresh(1)
-    assert (
-        squatter._transport.meta(
-            lambda store: store.put(lease_key(k.to_key()), b"squat"), time.monotonic() + 5
-        )
-        == 0
-    )
+    assert squatter._transport.meta(
+        lambda store: store.put(lease_key(k.to_key()), b"squat"), time.monotonic() + 5
+    ) == Done(0)
     assert a.claim([k]) == [Claim.UNCLAIMED]
 
 

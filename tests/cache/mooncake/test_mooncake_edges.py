@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
-from mmkey.cache.mooncake._ping import master_answers
+from mmkey.cache.mooncake._net import master_answers
 from mmkey.cache.mooncake._staging import MIN_SLOT, ReadSlots
 from mmkey.cache.mooncake._transport import close_abandoned
 from mmkey.testing.mooncake_master import MasterProcess
@@ -380,7 +380,7 @@ def test_calls_racing_close_return_at_once(mooncake_master: MasterProcess, ticke
         thread = threading.Thread(target=reader)
         thread.start()
         transport = cache._transport
-        runners = [transport._meta, *(lane.runner for lane in transport.lanes)]
+        runners = [transport._meta, *(lane.worker for lane in transport.lanes)]
         assert wait_until(lambda: any(r.is_busy() for r in runners), 10), "the read is stuck on a worker"
         closed_at = time.monotonic()
         cache.close()

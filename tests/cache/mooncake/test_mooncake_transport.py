@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from mmkey._deadline import Done
 from mmkey.cache.mooncake._transport import TRANSFER_LANES, StoreTransport
 from mmkey.cache.mooncake.config import MooncakeConfig
 
@@ -31,7 +32,7 @@ def occupy(transport: StoreTransport, index: int, release: threading.Event) -> t
         started.set()
         release.wait(10)
 
-    transport.lanes[index].runner.submit(hold)
+    transport.lanes[index].worker.submit(hold)
     assert started.wait(5)
     return started
 
@@ -55,7 +56,7 @@ def test_idle_lanes_first_then_queue_behind_a_healthy_one_then_none(transport: S
     finally:
         release.set()
     for lane in transport.lanes:
-        lane.runner.call(lambda: None, timeout=5)
+        assert isinstance(lane.worker.run(lambda: None, transport.clock() + 5), Done)
     assert transport.busy_lanes() == 0
 
 

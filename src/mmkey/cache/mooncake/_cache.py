@@ -4,43 +4,37 @@ The facade: key checks, the entry codec, de-duplication and counters. It closes 
 binding's traps: it never calls a store that is not set up or is closed (the binding
 crashes the interpreter there), de-duplicates batch reads (duplicates read wrong data),
 writes with upsert (a put never overwrites), tells misses from entries (both read as
-``b""``), and verifies every entry through the codec. The transport
-(`mmkey.cache.mooncake._transport`) runs every binding call on a worker within the call's
-timeout, behind a breaker, and calls the binding's GIL-holding ``setup``/``close`` only
-right after the master answered; staging (`mmkey.cache.mooncake._staging`) moves entries
-through registered buffers (``batch_upsert_from``, ``batch_get_into``), not Python bytes copies.
-Which transfers a read makes is `mmkey.cache.mooncake._reads`; how entries are written is
-`mmkey.cache.mooncake._writes`; single-flight claims, `mmkey.cache.mooncake._claims`.
+``b""``), and has every entry verified through the codec. A read goes from here to
+`mmkey.cache.mooncake._reads` (which transfers, each entry checked by `mmkey.entry.codec`
+in staging); writes go to `mmkey.cache.mooncake._writes`; single-flight claims to
+`mmkey.cache.mooncake._claims`. Under them the transport (`mmkey.cache.mooncake._transport`)
+runs every binding call on a lane within the call's give-up time (read from the cache's
+clock), behind a breaker, and calls the binding's GIL-holding ``setup``/``close`` only right
+after the master answered; staging (`mmkey.cache.mooncake._staging`) moves entries through
+registered buffers (``batch_upsert_from``, ``batch_get_into``), not Python bytes copies.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from mmkey._deadline import MONOTONIC, Clock, Done
 from mmkey._log import Counters
-from mmkey._tensors import nbytes_of
 from mmkey.cache._guard import insert_args, key_texts
 from mmkey.cache.health import CacheHealth
-from mmkey.cache.mooncake._added import Added
+from mmkey.cache.mooncake import Added
 from mmkey.cache.mooncake._claims import Claims
-from mmkey.cache.mooncake._parts import LOG, CacheParts
 from mmkey.cache.mooncake._reads import Reader
-from mmkey.cache.mooncake._transport import RPC_FAILURES, StoreTransport
+from mmkey.cache.mooncake._transport import LOG, RPC_FAILURES, CacheParts, StoreTransport
 from mmkey.cache.mooncake._writes import Writer
 from mmkey.cache.mooncake.config import MooncakeConfig
 from mmkey.cache.protocol import CacheStats, Claim
 from mmkey.entry.auth import FROM_ENV, EntryKeyring, FromEnv, keyring_for_cache
-from mmkey.entry.codec import (
-    encode_entry,
-    largest_entry_size,
-    payload_runs,
-    verify,
-)
-from mmkey.errors import CorruptEntry, StoreClosed, StoreError
+from mmkey.entry.codec import encode_entry, payload_runs
+from mmkey.errors import StoreClosed, StoreError
 from mmkey.keys import CacheKey
 
 if TYPE_CHECKING:
@@ -82,8 +76,10 @@ class MooncakeCache:
     dedicated holder processes that lend the memory, and write ``replica_num`` > 1 copies
     so that one holder's death loses nothing.
 
-    ``store_class`` is for tests: a stand-in for the binding's ``MooncakeDistributedStore``
-    (`mmkey.testing.fake_mooncake.FakeMooncakeStore`); by default the binding's own.
+    ``store_class`` and ``clock`` are for tests: a stand-in for the binding's
+    ``MooncakeDistributedStore`` (`mmkey.testing.fake_mooncake.FakeMooncakeStore`; by default
+    the binding's own), and the clock every timeout, stuck lane, breaker and quarantine period
+    is measured by (a `mmkey._deadline.Clock`; by default the wall's monotonic clock).
     """
 
     def __init__(
@@ -92,6 +88,7 @@ class MooncakeCache:
         *,
         keyring: EntryKeyring | FromEnv | None = FROM_ENV,
         store_class: type[MooncakeDistributedStore] | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
         value: object = config
         if not isinstance(value, MooncakeConfig):
@@ -110,15 +107,15 @@ class MooncakeCache:
         self._keyring = keyring_for_cache(keyring, "MooncakeCache", shared=True)
         self._counts = Counters()
         self._closed = False
-        self._transport = StoreTransport(
-            config, store_class, functools.partial(self._counts.add, errors=1), self._skipped_by_breaker
-        )
+        self._clock = clock
+        on_error = functools.partial(self._counts.add, errors=1)
+        self._transport = StoreTransport(config, store_class, on_error, self._skipped_by_breaker, clock)
         self._parts = CacheParts(self._transport, config, self._keyring, self._counts)
         self._reader = Reader(self._parts)
         self._writer = Writer(self._parts)
         self._claims = Claims(self._parts)
         self._told_untrusted = False
-        give_up = time.monotonic() + config.setup_timeout
+        give_up = clock() + config.setup_timeout
         self._warm_codec()
         self._transport.connect(give_up)
 
@@ -163,9 +160,10 @@ class MooncakeCache:
         self._check_open()
         if not texts:
             return []
-        codes = self._transport.meta(lambda store: store.batch_is_exist(texts), self._give_up())
-        if codes is None:
+        outcome = self._transport.meta(lambda store: store.batch_is_exist(texts), self._give_up())
+        if not isinstance(outcome, Done):
             return [False] * len(texts)
+        codes = outcome.value
         if not RPC_FAILURES.isdisjoint(codes):
             self._transport.fail()
         return [code == 1 for code in codes]
@@ -179,12 +177,7 @@ class MooncakeCache:
         """
         texts = self._texts(keys, "get_embeddings")
         unique = list(dict.fromkeys(texts))
-        found: dict[str, torch.Tensor] = {}
-        if unique:
-            limit = self._config.max_entry_size
-            self._reader.read(
-                unique, self._give_up(), functools.partial(self._decode_into, found), lambda _: limit
-            )
+        found = self._reader.get(unique, self._give_up()) if unique else {}
         result: list[torch.Tensor | None] = []
         handed: set[str] = set()
         for text in texts:
@@ -261,33 +254,7 @@ class MooncakeCache:
         """
         texts = self._texts(keys, "read_into")
         plans = _target_runs(targets, len(texts), "read_into", "targets")
-        landed: set[int] = set()
-        by_text: dict[str, list[int]] = {}  # a key given twice fills both targets
-        bounds: dict[str, int] = {}  # the largest entry each key's targets can take
-        for i, (text, runs) in enumerate(zip(texts, plans, strict=True)):
-            by_text.setdefault(text, []).append(i)
-            nbytes = sum(nbytes_of(t) for t in runs)
-            bounds[text] = max(bounds.get(text, 0), largest_entry_size(text, nbytes, runs[0].dim()))
-
-        def sink(text: str, raw: memoryview) -> bool:
-            refused: CorruptEntry | None = None
-            unsigned = False
-            for i in by_text[text]:
-                try:
-                    _, unsigned = verify(text, raw, plans[i], keyring=self._keyring)
-                except CorruptEntry as exc:  # ForgedEntry included
-                    refused = exc
-                else:
-                    landed.add(i)
-            if refused is not None:  # counted once per entry read
-                self._reader.refused(refused)
-            elif unsigned:
-                self._counts.add(unsigned_served=1)
-            return refused is None
-
-        if by_text:
-            self._reader.read(list(by_text), self._give_up(), sink, bounds.__getitem__)
-        result = [i in landed for i in range(len(texts))]
+        result = self._reader.read_into(texts, plans, self._give_up()) if texts else []
         hits = sum(result)
         self._counts.add(hits=hits, misses=len(result) - hits)
         return result
@@ -445,22 +412,10 @@ class MooncakeCache:
     # -- the call's time, and calls the breaker answered -----------------------------------
 
     def _give_up(self) -> float:
-        return time.monotonic() + self._config.timeout
+        return self._clock() + self._config.timeout
 
     def _skipped_by_breaker(self) -> None:
         self._parts.skipped("master unreachable (breaker open)")
-
-    def _decode_into(self, found: dict[str, torch.Tensor], text: str, raw: memoryview) -> bool:
-        """A read sink (`_reads.Sink`) that decodes into `found`: a private copy of exactly
-        the bytes verified."""
-        try:
-            found[text], unsigned = verify(text, raw, keyring=self._keyring)
-        except CorruptEntry as exc:  # ForgedEntry included
-            self._reader.refused(exc)
-            return False
-        if unsigned:
-            self._counts.add(unsigned_served=1)
-        return True
 
     # -- checks ----------------------------------------------------------------------------
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mmkey.cache.mooncake._parts import CacheParts
-from mmkey.cache.mooncake._transport import ALREADY_EXISTS, INVALID_PARAMS, RPC_FAILURES
+from mmkey._deadline import Done
+from mmkey.cache.mooncake._transport import ALREADY_EXISTS, INVALID_PARAMS, RPC_FAILURES, CacheParts
 from mmkey.cache.protocol import Claim
 from mmkey.errors import StoreError
 
@@ -52,19 +51,20 @@ def lease_key(text: str) -> str:
 class Claims:
     """The claims of one `MooncakeCache`: who encodes a key, and waits for keys others encode.
 
-    ``clock`` (monotonic seconds) times the waits and ``pause(seconds)`` sleeps between looks;
-    by default a pause ends early when a caller of this cache releases a claim.
+    ``clock`` (monotonic seconds; by default the transport's) times the waits and
+    ``pause(seconds)`` sleeps between looks; by default a pause ends early when a caller of
+    this cache releases a claim.
     """
 
     def __init__(
         self,
         parts: CacheParts,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         pause: Callable[[float], None] | None = None,
     ) -> None:
         self._parts = parts
-        self._clock = clock
+        self._clock = parts.transport.clock if clock is None else clock
         self._changed = threading.Condition()
         self._pause = self._until_released if pause is None else pause
         self._mine: set[str] = set()
@@ -81,8 +81,9 @@ class Claims:
                 got = self._parts.transport.meta(
                     functools.partial(self._start_on_lane, ask, give_up), give_up
                 )
+                won = got.value if isinstance(got, Done) else {}
                 for text in ask:
-                    answers[text] = Claim.UNCLAIMED if got is None else got.get(text, Claim.UNCLAIMED)
+                    answers[text] = won.get(text, Claim.UNCLAIMED)
         finally:
             with self._changed:
                 self._mine.difference_update(text for text in ask if answers.get(text) is not Claim.WON)
@@ -114,9 +115,10 @@ class Claims:
             if call_left <= 0:
                 break
             look = functools.partial(_exist, list(pending))
-            codes = self._parts.transport.meta(look, time.monotonic() + call_left)
-            if codes is None:
+            looked = self._parts.transport.meta(look, self._parts.transport.clock() + call_left)
+            if not isinstance(looked, Done):
                 break
+            codes = looked.value
             if not RPC_FAILURES.isdisjoint(codes):
                 self._parts.transport.fail()
                 break
@@ -159,8 +161,9 @@ class Claims:
         exists = {text for text, code in zip(looked, present, strict=False) if code == 1}
         answers: dict[str, Claim] = {}
         undo: list[str] = []
+        now = self._parts.transport.clock()
         for i in won:
-            if texts[i] in exists or time.monotonic() >= give_up:  # landed, or nobody waits for it
+            if texts[i] in exists or now >= give_up:  # landed, or nobody waits for it
                 undo.append(leases[i])
                 answers[texts[i]] = Claim.HELD
             else:

@@ -1,7 +1,9 @@
 """The transport under `MooncakeCache`: set-up and close, lanes, timeouts, breaker, quarantine.
 
-Every binding call runs on a worker thread (a lane) and the caller waits at most until its
-call's give-up time. Metadata calls (``batch_is_exist``, replica lookups, set-up) run on
+Every binding call runs on a worker thread (a `mmkey._deadline.Lane`) and the caller waits at
+most until its call's give-up time, read from the cache's clock; each call answers one
+`Outcome` (`Done` with the binding's answer, or `Failed` with why), its failures already
+counted and fed to the breaker. Metadata calls (``batch_is_exist``, replica lookups, set-up) run on
 their own lane; transfers run on a small pool of lanes, each with its own registered staging
 buffer, so a transfer stuck on a hung holder never holds up a lookup or a transfer from
 another holder. Every lane's staging buffer is allocated (faulted in) and registered at
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,9 +32,9 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import attrs
 
-from mmkey._deadline import Breaker, Call, CallTimeout, DeadlineRunner
-from mmkey.cache.mooncake._net import parse_host_port
-from mmkey.cache.mooncake._ping import master_answers
+from mmkey._deadline import MONOTONIC, Breaker, Clock, Done, Failed, Lane, Outcome, Ticket, Why
+from mmkey._log import Counters, RateLimitedLog
+from mmkey.cache.mooncake._net import master_answers, parse_host_port
 from mmkey.cache.mooncake._quarantine import Quarantine
 from mmkey.cache.mooncake._staging import ReadSlots, Staging
 from mmkey.cache.mooncake.config import MooncakeConfig
@@ -41,20 +44,28 @@ if TYPE_CHECKING:
     import torch
     from mooncake.store import MooncakeDistributedStore
 
+    from mmkey.entry.auth import EntryKeyring
+
 __all__ = [
     "ALREADY_EXISTS",
     "BUFFER_TOO_SMALL",
     "INVALID_PARAMS",
+    "LOG",
+    "LOG_EVERY_S",
     "RPC_FAILURES",
     "TRANSFER_FAILURES",
-    "Lane",
+    "CacheParts",
     "Pending",
     "Region",
     "StoreTransport",
     "TransferFailed",
+    "TransferLane",
     "close_abandoned",
-    "out_of_time",
 ]
+
+LOG = logging.getLogger("mmkey.cache.mooncake")
+LOG_EVERY_S = 10.0
+"""The shortest time between two warnings of one kind."""
 
 T = TypeVar("T")
 
@@ -78,12 +89,6 @@ ALREADY_EXISTS = -705
 that another client has a session open on (measured, mooncake 0.3.13)."""
 TRANSFER_FAILURES = range(-899, -799)
 """Codes of a transfer that reached the master but not the holder (TRANSFER_FAIL, -800...)."""
-
-
-def out_of_time(give_up: float) -> None:
-    """Raise `TimeoutError` once the monotonic clock reached `give_up`."""
-    if time.monotonic() >= give_up:
-        raise TimeoutError("the call's deadline passed; the rest is not transferred")
 
 
 def _abandon(*objects: object) -> None:
@@ -128,10 +133,10 @@ atexit.register(close_abandoned)
 
 
 @attrs.define(eq=False)
-class Lane:
+class TransferLane:
     """A transfer lane: one worker thread and the staging buffer only it fills."""
 
-    runner: DeadlineRunner
+    worker: Lane
     staging: Staging
 
 
@@ -153,17 +158,19 @@ class Region:
 class Pending(Generic[T]):
     """A transfer submitted to a lane; wait for it with `StoreTransport.finish`."""
 
-    lane: Lane
-    future: Call[T]
+    lane: TransferLane
+    ticket: Ticket[T]
 
 
 class StoreTransport:
     """One Mooncake store reached through lanes, within timeouts, behind a breaker.
 
-    `meta` runs a metadata function of the store and returns its result, or ``None`` (after
-    reporting the failure through `on_error`) when the master is unreachable, the breaker is
-    open, the lane is stuck, the call's time ran out, or the cache closed. `submit` and
-    `finish` do the same for transfers on the pool of transfer lanes.
+    `meta` runs a metadata function of the store and answers its `Outcome`: `Failed` (the
+    failure counted through `on_error`, or `on_skip` for a call answered without the store)
+    when the master is unreachable, the breaker is open, the lane is stuck, the call's time
+    ran out, or the cache closed. `submit` and `finish` do the same for transfers on the
+    pool of transfer lanes. Every time (give-up times, stuck lanes, the breaker, the
+    quarantine) is read from `clock`.
     """
 
     def __init__(
@@ -172,22 +179,24 @@ class StoreTransport:
         store_class: type[MooncakeDistributedStore],
         on_error: Callable[[], None],
         on_skip: Callable[[], None],
+        clock: Clock = MONOTONIC,
     ) -> None:
         self._config = config
         self.store_class = store_class
+        self.clock = clock
         self._on_error = on_error
         self._on_skip = on_skip
         self._host, self._port = parse_host_port(config.master_server_address)
-        self._meta = DeadlineRunner("mmkey-mooncake-meta")
+        self._meta = Lane("mmkey-mooncake-meta", clock)
         staging_bytes = min(config.local_buffer_size, MAX_STAGING)
         slots = ReadSlots(staging_bytes)  # shared: what one lane learns of entry sizes, all use
         self.lanes = tuple(
-            Lane(DeadlineRunner(f"mmkey-mooncake-transfer-{i}"), Staging(staging_bytes, slots))
+            TransferLane(Lane(f"mmkey-mooncake-transfer-{i}", clock), Staging(staging_bytes, slots))
             for i in range(TRANSFER_LANES)
         )
-        self._prober = DeadlineRunner("mmkey-mooncake-probe")
-        self.breaker = Breaker(config.retry_after)
-        self.quarantine = Quarantine(config.retry_after)
+        self._prober = Lane("mmkey-mooncake-probe", clock)
+        self.breaker = Breaker(config.retry_after, clock)
+        self.quarantine = Quarantine(config.retry_after, clock)
         self._store: MooncakeDistributedStore | None = None  # set on the metadata lane only
         self._regions: list[Region] = []  # registered at set-up, and then as they come
         self._registered: set[int] = set()  # start addresses registered (metadata lane only)
@@ -231,25 +240,34 @@ class StoreTransport:
 
     def busy_lanes(self) -> int:
         """Lanes running a call for longer than the timeout (stuck in the binding)."""
-        runners = [self._meta, *(lane.runner for lane in self.lanes)]
-        return sum(runner.is_stuck(self._config.timeout) for runner in runners)
+        workers = [self._meta, *(lane.worker for lane in self.lanes)]
+        return sum(worker.is_stuck(self._config.timeout) for worker in workers)
 
     def master_answers(self, timeout: float) -> bool:
         """Whether the master replies to a request on its RPC port within `timeout` s."""
         return master_answers(self._host, self._port, timeout)
 
-    def connect(self, give_up: float) -> bool:
-        """Set the store up if the master answers; False (counted) if not by `give_up`.
+    def out_of_time(self, give_up: float) -> None:
+        """Raise `TimeoutError` once the clock reached `give_up` (on a lane, between steps)."""
+        if self.clock() >= give_up:
+            raise TimeoutError("the call's deadline passed; the rest is not transferred")
+
+    def left(self, give_up: float) -> float:
+        """Seconds of the clock until `give_up`, never below 0."""
+        return max(give_up - self.clock(), 0.0)
+
+    def connect(self, give_up: float) -> Outcome[None]:
+        """Set the store up if the master answers; `Failed` (counted) if not by `give_up`.
 
         A set-up still running then finishes on the metadata lane; a later call finds it.
         """
-        try:
-            ok = self._meta.call(functools.partial(self._setup_on_lane, give_up), give_up - time.monotonic())
-        except (CallTimeout, StoreClosed):
-            ok = False
-        if not ok:
-            self.fail()
-        return ok
+        outcome = self._meta.run(functools.partial(self._setup_on_lane, give_up), give_up)
+        if isinstance(outcome, Done):
+            if outcome.value:
+                return _CONNECTED
+            outcome = Failed(Why.RAISED, StoreError("the store could not be set up"))
+        self.fail()
+        return outcome
 
     def ready(self, give_up: float) -> bool:
         """Whether a call may go to the store now (set up, breaker closed, master answering
@@ -260,90 +278,79 @@ class StoreTransport:
             self._on_skip()
             return False
         if self._store is None:
-            return self.connect(give_up)
+            return isinstance(self.connect(give_up), Done)
         # up to a second of the call's own time: a master that answers at all is alive, and on
         # a busy host a live master's answer can take longer than a fifth of a second
-        if self._suspect and not self.master_answers(min(give_up - time.monotonic(), _PING_S)):
+        if self._suspect and not self.master_answers(min(give_up - self.clock(), _PING_S)):
             self.fail()
             return False
         return True
 
-    def meta(self, fn: Callable[[MooncakeDistributedStore], T], give_up: float) -> T | None:
-        """`fn(store)` on the metadata lane, waited for until `give_up` (a monotonic time).
+    def meta(self, fn: Callable[[MooncakeDistributedStore], T], give_up: float) -> Outcome[T]:
+        """`fn(store)` on the metadata lane, waited for until `give_up` (a time of the clock).
 
-        ``None`` when it failed (counted): store errors and timeouts of a call the lane had
-        started also open the breaker; a call still queued behind other callers' lookups when
-        `give_up` came is a skip (the master was not asked), other exceptions of `fn` are only
-        counted.
+        `Failed` is counted: store errors and timeouts of a call the lane had started also
+        open the breaker; a call still queued behind other callers' lookups when `give_up`
+        came is a skip (the master was not asked), other exceptions of `fn` are only counted.
         """
         if self._meta.is_stuck(self._config.timeout):
             self._on_skip()
-            return None
+            return _STUCK
         if not self.ready(give_up):
-            return None
-        call = self._meta.submit(functools.partial(self._run, fn))
-        try:
-            result = self._meta.wait_for(call, give_up - time.monotonic())
-        except StoreClosed:
-            return None
-        except CallTimeout:
-            if call.cancelled():  # queued behind other callers' lookups: the master was not asked
-                self._on_skip()
-            else:
-                self.fail()
-            return None
-        except StoreError:
+            return _REFUSED
+        outcome = self._meta.run(functools.partial(self._run, fn), give_up)
+        if isinstance(outcome, Done):
+            self.succeeded()
+        elif outcome.why is Why.NOT_STARTED:  # queued behind other lookups: the master was not asked
+            self._on_skip()
+        elif isinstance(outcome.error, StoreClosed):  # the cache closed meanwhile: not a fault
+            pass
+        elif outcome.why is Why.TIMED_OUT or isinstance(outcome.error, StoreError):
             self.fail()
-            return None
-        except Exception:  # not a store fault (e.g. MemoryError)
+        elif isinstance(outcome.error, Exception):  # not a store fault (e.g. MemoryError)
             self._on_error()
-            return None
-        self.succeeded()
-        return result
+        return outcome
 
-    def pick_lane(self, taken: set[int]) -> Lane | None:
+    def pick_lane(self, taken: set[int]) -> TransferLane | None:
         """A transfer lane for one more transfer: an idle one first, else one whose call is
         still within its timeout (queue behind it); ``None`` when every lane is stuck."""
         free = [i for i in range(len(self.lanes)) if i not in taken]
         for i in free:
-            if not self.lanes[i].runner.is_busy():
+            if not self.lanes[i].worker.is_busy():
                 taken.add(i)
                 return self.lanes[i]
         for i in free:
-            if not self.lanes[i].runner.is_stuck(self._config.timeout):
+            if not self.lanes[i].worker.is_stuck(self._config.timeout):
                 taken.add(i)
                 return self.lanes[i]
         return None
 
-    def submit(self, lane: Lane, fn: Callable[[MooncakeDistributedStore, Staging], T]) -> Pending[T]:
+    def submit(self, lane: TransferLane, fn: Callable[[MooncakeDistributedStore, Staging], T]) -> Pending[T]:
         """Queue `fn(store, lane.staging)` on `lane`."""
-        return Pending(lane, lane.runner.submit(functools.partial(self._run_with, fn, lane.staging)))
+        return Pending(lane, lane.worker.submit(functools.partial(self._run_with, fn, lane.staging)))
 
     def finish(
         self,
         pending: Pending[T],
         give_up: float,
         abandoned: Callable[[T], object] | None = None,
-    ) -> T | BaseException:
-        """The result of a submitted transfer, or the exception that ended it (a timeout,
-        `TransferFailed`, a closed store, or another error, counted). An abandoned call's
-        eventual result goes to `abandoned`. Master faults open the breaker here."""
-        try:
-            result = pending.lane.runner.wait_for(pending.future, give_up - time.monotonic(), abandoned)
-        except StoreClosed as exc:
-            return exc
-        except (CallTimeout, TransferFailed) as exc:
+    ) -> Outcome[T]:
+        """The outcome of a submitted transfer by `give_up`; a failure is counted (a timeout,
+        `TransferFailed`, or another error; a closed store is not). An abandoned call's
+        eventual value goes to `abandoned`. Master faults open the breaker here."""
+        outcome = pending.lane.worker.wait(pending.ticket, give_up, abandoned)
+        if isinstance(outcome, Done):
+            self.succeeded()  # a transfer asks the master first: it answered
+        elif isinstance(outcome.error, StoreClosed):  # the cache closed meanwhile: not a fault
+            pass
+        elif outcome.why is not Why.RAISED or isinstance(outcome.error, TransferFailed):
             self._on_error()
             self._suspect = True  # the master may be what hangs: ask it before the next call
-            return exc
-        except StoreError as exc:
+        elif isinstance(outcome.error, StoreError):
             self.fail()
-            return exc
-        except Exception as exc:  # not a store fault (e.g. MemoryError for a huge value)
+        elif isinstance(outcome.error, Exception):  # not a store fault (e.g. MemoryError)
             self._on_error()
-            return exc
-        self.succeeded()  # a transfer asks the master first: it answered
-        return result
+        return outcome
 
     def background(self, fn: Callable[[MooncakeDistributedStore], object]) -> None:
         """Queue `fn(store)` on the metadata lane without waiting (ahead of later lookups);
@@ -353,13 +360,7 @@ class StoreTransport:
 
     def probe(self, fn: Callable[[MooncakeDistributedStore], bool], endpoint: str) -> None:
         """Run `fn` (does `endpoint` answer again?) on the probe lane, without waiting."""
-        future = self._prober.submit(functools.partial(self._run, fn))
-
-        def done(f: Call[bool]) -> None:
-            healthy = not f.cancelled() and f.exception() is None and f.result()
-            self.quarantine.probed(endpoint, healthy=bool(healthy))
-
-        future.add_done_callback(done)
+        self._prober.submit(functools.partial(self._probe_on_lane, fn, endpoint))
 
     def succeeded(self) -> None:
         """A call to the master succeeded: close the breaker."""
@@ -382,11 +383,11 @@ class StoreTransport:
             if self._closed:
                 return
             self._closed = True
-        give_up = time.monotonic() + self._config.timeout
-        runners = [self._meta, self._prober, *(lane.runner for lane in self.lanes)]
-        for runner in runners:
-            runner.close()
-        stopped = all(runner.join(max(give_up - time.monotonic(), 0.0)) for runner in runners)
+        give_up = time.monotonic() + self._config.timeout  # joins threads: the wall's time
+        workers = [self._meta, self._prober, *(lane.worker for lane in self.lanes)]
+        for worker in workers:
+            worker.close()
+        stopped = all(worker.join(max(give_up - time.monotonic(), 0.0)) for worker in workers)
         store, self._store = self._store, None
         if store is None:
             return
@@ -408,8 +409,8 @@ class StoreTransport:
     def join(self, timeout: float) -> bool:
         """Wait up to `timeout` s for every lane's worker to exit (after `close`); whether all did."""
         give_up = time.monotonic() + timeout
-        runners = [self._meta, self._prober, *(lane.runner for lane in self.lanes)]
-        return all(runner.join(max(give_up - time.monotonic(), 0.0)) for runner in runners)
+        workers = [self._meta, self._prober, *(lane.worker for lane in self.lanes)]
+        return all(worker.join(max(give_up - time.monotonic(), 0.0)) for worker in workers)
 
     # -- on the lanes -----------------------------------------------------------------------
 
@@ -418,6 +419,15 @@ class StoreTransport:
         if store is None or self._closed:
             raise StoreClosed("store closed")
         return fn(store)
+
+    def _probe_on_lane(self, fn: Callable[[MooncakeDistributedStore], bool], endpoint: str) -> None:
+        healthy = False
+        try:
+            healthy = bool(self._run(fn))
+        except Exception:  # a probe that failed: the holder stays quarantined
+            healthy = False
+        finally:
+            self.quarantine.probed(endpoint, healthy=healthy)
 
     def _run_with(self, fn: Callable[[MooncakeDistributedStore, Staging], T], staging: Staging) -> T:
         store = self._store
@@ -439,7 +449,7 @@ class StoreTransport:
             return False
         if self._store is not None:
             return True
-        left = give_up - time.monotonic()
+        left = give_up - self.clock()
         if left <= 0 or not self.master_answers(min(left, _PING_S)):
             return False
         store = self.store_class()
@@ -454,3 +464,55 @@ class StoreTransport:
             return False
         self._store = store
         return True
+
+
+_CONNECTED: Outcome[None] = Done(None)
+_STUCK = Failed.of(Why.NOT_STARTED, "the metadata lane is stuck in a call past the timeout")
+_REFUSED = Failed.of(Why.NOT_STARTED, "the store is not ready (closed, breaker open, or master silent)")
+
+
+def _skips_log() -> RateLimitedLog:
+    return RateLimitedLog(
+        LOG, logging.WARNING, "Mooncake calls answered as misses without the store: %s%s", period=LOG_EVERY_S
+    )
+
+
+def _squats_log() -> RateLimitedLog:
+    return RateLimitedLog(
+        LOG,
+        logging.WARNING,
+        "Mooncake put sessions of another client reserved keys the store did not hold: %s%s",
+        period=LOG_EVERY_S,
+    )
+
+
+@attrs.frozen
+class CacheParts:
+    """What one `MooncakeCache` hands its reads, writes and claims: its transport,
+    configuration, keyring and counters, and the rate-limited logs of calls answered without
+    the store and of squatted keys written over."""
+
+    transport: StoreTransport
+    config: MooncakeConfig
+    keyring: EntryKeyring | None
+    counts: Counters
+    _skips: RateLimitedLog = attrs.field(init=False, factory=_skips_log)
+    _squats: RateLimitedLog = attrs.field(init=False, factory=_squats_log)
+
+    def skipped(self, why: str) -> None:
+        """Count (``skipped``) and log (rate-limited) a call answered without the store."""
+        self.counts.add(skipped=1)
+        self._skips.note(why)
+
+    def squatted(self, count: int, namespaces: list[str], wait: float) -> None:
+        """Count (``squatted``) and log (rate-limited) keys written over a reservation that
+        outlived its wait."""
+        self.counts.add(squatted=count)
+        names = ", ".join(repr(name) for name in namespaces)
+        self._squats(
+            "squat",
+            f"{count} key(s) of namespace {names} stayed reserved and unwritten for {wait:g} s "
+            "(a client that starts put sessions and never writes them, or a writer that died "
+            "mid-write); this cache upserted its own entries over them (counted in "
+            "stats().squatted)",
+        )

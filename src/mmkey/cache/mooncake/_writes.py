@@ -14,19 +14,31 @@ nothing. Every write asks the store for ``config.replica_num`` copies.
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from mmkey._deadline import Done
 from mmkey._tensors import byte_view, host_ready, nbytes_of
-from mmkey.cache.mooncake._added import Added
-from mmkey.cache.mooncake._parts import CacheParts
-from mmkey.cache.mooncake._reserved import RESERVED_WAIT_S, Reservations, namespaces_of
+from mmkey.cache.mooncake import Added
+from mmkey.cache.mooncake._reserved import (
+    RESERVED_WAIT_S,
+    Reservations,
+    fill_sessions,
+    namespaces_of,
+    refused_as,
+    reserved_or_held,
+)
 from mmkey.cache.mooncake._staging import Staging, aligned, registered, stage_entry
-from mmkey.cache.mooncake._transport import ALREADY_EXISTS, INVALID_PARAMS, RPC_FAILURES, Pending, out_of_time
+from mmkey.cache.mooncake._transport import (
+    INVALID_PARAMS,
+    RPC_FAILURES,
+    CacheParts,
+    Pending,
+    StoreTransport,
+)
 from mmkey.entry.codec import encode_entry_into, entry_header, entry_size
 from mmkey.errors import StoreError
 
@@ -52,11 +64,6 @@ def _as_stored(outcomes: dict[str, Added]) -> dict[str, bool]:
     return {text: outcome is Added.STORED for text, outcome in outcomes.items()}
 
 
-def _offsets(sizes: list[int]) -> list[int]:
-    """Where each of an entry's buffers lands in the entry: the sizes before it, summed."""
-    return list(itertools.accumulate(sizes, initial=0))[:-1]
-
-
 def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, list[torch.Tensor]]]:
     """`payloads` in runs of at most `_PUT_CHUNK` bytes (or one payload)."""
     chunk: dict[str, list[torch.Tensor]] = {}
@@ -72,18 +79,113 @@ def _put_chunks(payloads: dict[str, list[torch.Tensor]]) -> Iterator[dict[str, l
         yield chunk
 
 
+class _StagedWrite:
+    """The entries of one `Writer.write` call, sealed into a lane's staging buffer and sent
+    on the worker (`run`), in batches of what the buffer holds.
+
+    The worker reads the caller's tensors only while holding `_reading`, and never after the
+    caller stopped waiting (`release`): a caller that timed out may reuse its tensors at
+    once, and a late encode would store that new data under old keys.
+    """
+
+    def __init__(
+        self,
+        writer: Writer,
+        parts: CacheParts,
+        texts: list[str],
+        tensors: list[torch.Tensor],
+        give_up: float,
+        only_new: bool,
+    ) -> None:
+        keyring = parts.keyring
+        self._writer = writer
+        self._transport = parts.transport
+        self._keyring = keyring
+        self._texts = texts
+        self._tensors = tensors
+        self._sizes = [entry_size(text, t, keyring=keyring) for text, t in zip(texts, tensors, strict=True)]
+        self._give_up = give_up
+        self._only_new = only_new
+        self._ready = host_ready(tensors)  # CUDA tensors: an event on the caller's current stream
+        self._reading = threading.Lock()
+        self._released = threading.Event()
+
+    def run(self, store: MooncakeDistributedStore, lane_staging: Staging) -> dict[str, Added]:
+        """On the worker: seal every entry and send them; what each key's write did."""
+        self._ready.wait()  # the caller's kernels writing the tensors have finished
+        lane_staging.view(store)  # prepared at set-up; this only checks
+        transport = self._transport
+        if not lane_staging.lease.acquire(timeout=transport.left(self._give_up)):
+            raise TimeoutError("the staging buffer stayed busy past the call's deadline")
+        try:
+            stored: dict[str, Added] = {}
+            batch: list[tuple[str, int, int]] = []  # key text, offset, size
+            used = 0
+            for text, t, size in zip(self._texts, self._tensors, self._sizes, strict=True):
+                if size > lane_staging.nbytes:  # a registered buffer of its own
+                    transport.out_of_time(self._give_up)
+                    stored[text] = self._writer.write_large_on_worker(
+                        store, text, t, size, self.encode, self._only_new
+                    )
+                    continue
+                if used + size > lane_staging.nbytes:
+                    transport.out_of_time(self._give_up)
+                    stored.update(self._flush(store, lane_staging.ptr, batch))
+                    batch, used = [], 0
+                with self._reading:
+                    self._check_waited_for()
+                    stage_entry(lane_staging, used, size, text, t, self._keyring)
+                batch.append((text, used, size))
+                used += aligned(size)
+            stored.update(self._flush(store, lane_staging.ptr, batch))
+            return stored
+        finally:
+            lane_staging.lease.release()
+
+    def encode(self, target: memoryview, text: str, tensor: torch.Tensor) -> None:
+        """Seal one entry into `target` (while the caller still waits)."""
+        with self._reading:
+            self._check_waited_for()
+            encode_entry_into(target, text, tensor, keyring=self._keyring)
+
+    def release(self) -> None:
+        """The caller stops waiting: no tensor of its is read after this returns."""
+        # Flag first, then wait out the entry being staged right now, if any: a lane that
+        # re-takes `_reading` entry after entry would otherwise keep a late caller waiting
+        # (the lock is not fair), well past its deadline on a busy host.
+        self._released.set()
+        with self._reading:
+            pass
+
+    def _check_waited_for(self) -> None:
+        if self._released.is_set():
+            raise StoreError("insert_batch stopped waiting; its tensors are not read")
+
+    def _flush(
+        self, store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
+    ) -> dict[str, Added]:
+        if self._only_new:
+            return self._writer.add_staged_on_worker(store, base, batch)
+        return _as_added(self._writer.flush_on_worker(store, base, batch))
+
+
 class Writer:
-    """Runs the writes of one `MooncakeCache` over its transport."""
+    """Runs the writes of one `MooncakeCache` over its transport.
+
+    ``clock`` (by default the transport's) times the waits for reserved keys, ``sleep``
+    pauses between looks at them."""
 
     def __init__(
         self,
         parts: CacheParts,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         reserved_wait: float = RESERVED_WAIT_S,
     ) -> None:
         self._parts = parts
+        self._transport: StoreTransport = parts.transport
+        clock = parts.transport.clock if clock is None else clock
         self._clock = clock
         self._sleep = sleep
         self._reserved = Reservations(reserved_wait, clock)
@@ -99,79 +201,18 @@ class Writer:
     ) -> dict[str, Added]:
         """Write entries through the staging buffer on the worker, within one timeout: upserts,
         or with `only_new` put sessions that write only keys no client holds or is writing."""
-        keyring = self._parts.keyring
-        sizes = [entry_size(text, t, keyring=keyring) for text, t in zip(texts, tensors, strict=True)]
-        ready = host_ready(tensors)  # CUDA tensors: an event on the caller's current stream
-        # The worker reads the caller's tensors only while holding `reading`, and never
-        # after the caller stopped waiting (`released`): a caller that timed out may reuse
-        # its tensors at once, and a late encode would store that new data under old keys.
-        reading = threading.Lock()
-        released = threading.Event()
-
-        def encode(target: memoryview, text: str, tensor: torch.Tensor) -> None:
-            with reading:
-                if released.is_set():
-                    raise StoreError("insert_batch stopped waiting; its tensors are not read")
-                encode_entry_into(target, text, tensor, keyring=keyring)
-
-        def stage(staging: Staging, at: int, size: int, text: str, tensor: torch.Tensor) -> None:
-            with reading:
-                if released.is_set():
-                    raise StoreError("insert_batch stopped waiting; its tensors are not read")
-                stage_entry(staging, at, size, text, tensor, keyring)
-
-        def write(store: MooncakeDistributedStore, lane_staging: Staging) -> dict[str, Added]:
-            ready.wait()  # the caller's kernels writing the tensors have finished
-            lane_staging.view(store)  # prepared at set-up; this only checks
-            if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
-                raise TimeoutError("the staging buffer stayed busy past the call's deadline")
-            try:
-                return fill_and_flush(store, lane_staging)
-            finally:
-                lane_staging.lease.release()
-
-        def flush(
-            store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
-        ) -> dict[str, Added]:
-            if only_new:
-                return self._add_staged_on_worker(store, base, batch)
-            return _as_added(self._flush_on_worker(store, base, batch))
-
-        def fill_and_flush(store: MooncakeDistributedStore, staging: Staging) -> dict[str, Added]:
-            stored: dict[str, Added] = {}
-            batch: list[tuple[str, int, int]] = []  # key text, offset, size
-            used = 0
-            for text, t, size in zip(texts, tensors, sizes, strict=True):
-                if size > staging.nbytes:
-                    out_of_time(give_up)
-                    stored[text] = self._write_large_on_worker(store, text, t, size, encode, only_new)
-                    continue
-                if used + size > staging.nbytes:
-                    out_of_time(give_up)
-                    stored.update(flush(store, staging.ptr, batch))
-                    batch, used = [], 0
-                stage(staging, used, size, text, t)
-                batch.append((text, used, size))
-                used += aligned(size)
-            stored.update(flush(store, staging.ptr, batch))
-            return stored
-
+        staged = _StagedWrite(self, self._parts, texts, tensors, give_up, only_new)
         try:
-            if not self._parts.transport.ready(give_up):
+            if not self._transport.ready(give_up):
                 return {}
-            lane = self._parts.transport.pick_lane(set())
+            lane = self._transport.pick_lane(set())
             if lane is None:
                 self._parts.skipped("every transfer lane stuck")
                 return {}
-            outcome = self._parts.transport.finish(self._parts.transport.submit(lane, write), give_up)
-            return {} if isinstance(outcome, BaseException) else outcome
+            outcome = self._transport.finish(self._transport.submit(lane, staged.run), give_up)
+            return outcome.value if isinstance(outcome, Done) else {}
         finally:
-            # Flag first, then wait out the entry being staged right now, if any: a lane that
-            # re-takes `reading` entry after entry would otherwise keep a late caller waiting
-            # (the lock is not fair), well past its deadline on a busy host.
-            released.set()
-            with reading:
-                pass
+            staged.release()
 
     def write_from(self, latest: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, bool]:
         """Store payloads held in runs: straight from registered memory when the key is new,
@@ -189,9 +230,9 @@ class Writer:
                 return transport.register_regions(store), store.batch_is_exist(texts)
 
             looked = transport.meta(look, give_up)
-            if looked is None:
+            if not isinstance(looked, Done):
                 return stored
-            registered_now, codes = looked
+            registered_now, codes = looked.value
             if not RPC_FAILURES.isdisjoint(codes):
                 transport.fail()
                 return stored
@@ -225,13 +266,13 @@ class Writer:
         outcome: dict[str, Added] = {}
         texts = list(payloads)
         due = self._reserved.due(texts)
-        budget = max(give_up - time.monotonic(), 0.0) / 2
-        stop = time.monotonic() + budget
+        budget = self._transport.left(give_up) / 2
+        stop = self._transport.clock() + budget
         step = self._reserved.wait / _RESERVED_POLLS
         if due - self._clock() > budget:
             return dict.fromkeys(texts, Added.RESERVED)
         while texts and (left := due - self._clock()) > 0:
-            if time.monotonic() >= stop:  # the looks took the time
+            if self._transport.clock() >= stop:  # the looks took the time
                 return {**outcome, **dict.fromkeys(texts, Added.RESERVED)}
             self._sleep(min(step, left))
             held = self._held(texts, give_up)
@@ -250,9 +291,10 @@ class Writer:
 
     def _held(self, texts: list[str], give_up: float) -> set[str] | None:
         """Which of `texts` the store holds; None if the master did not answer."""
-        codes = self._parts.transport.meta(lambda store: store.batch_is_exist(texts), give_up)
-        if codes is None:
+        looked = self._transport.meta(lambda store: store.batch_is_exist(texts), give_up)
+        if not isinstance(looked, Done):
             return None
+        codes = looked.value
         if not RPC_FAILURES.isdisjoint(codes):
             self._parts.transport.fail()
             return None
@@ -268,9 +310,9 @@ class Writer:
         if direct:
             transport = self._parts.transport
             registered_now = transport.meta(transport.register_regions, give_up)
-            if registered_now is None:
+            if not isinstance(registered_now, Done):
                 return added
-            if registered_now:
+            if registered_now.value:
                 added.update(self._put_direct(direct, give_up, only_new=True))
             else:
                 staged.update(direct)
@@ -297,13 +339,13 @@ class Writer:
 
         def drain_one() -> None:
             pending = inflight.popleft()
-            outcome = self._parts.transport.finish(pending, give_up)
-            if not isinstance(outcome, BaseException):
-                stored.update(outcome)
-                taken.discard(self._parts.transport.lanes.index(pending.lane))
+            outcome = self._transport.finish(pending, give_up)
+            if isinstance(outcome, Done):
+                stored.update(outcome.value)
+                taken.discard(self._transport.lanes.index(pending.lane))
 
         for chunk in _put_chunks(payloads):
-            if time.monotonic() >= give_up:
+            if self._transport.clock() >= give_up:
                 break
             headers = {
                 text: entry_header(text, runs, keyring=self._parts.keyring) for text, runs in chunk.items()
@@ -336,10 +378,10 @@ class Writer:
         only_new: bool,
     ) -> dict[str, Added]:
         staging = lane_staging.view(store)
-        if not lane_staging.lease.acquire(timeout=max(give_up - time.monotonic(), 0.0)):
+        if not lane_staging.lease.acquire(timeout=self._transport.left(give_up)):
             raise TimeoutError("the staging buffer stayed busy past the call's deadline")
         try:
-            out_of_time(give_up)
+            self._transport.out_of_time(give_up)
             keys: list[str] = []
             ptrs: list[list[int]] = []
             sizes: list[list[int]] = []
@@ -387,15 +429,15 @@ class Writer:
         starts = self._restart_stuck(store, keys, totals, starts)
         self._forget_stuck([key for key, code in zip(keys, starts, strict=False) if code == 0])
         outcome = {
-            key: _refused(code, key in self._stuck)
+            key: refused_as(code, key in self._stuck)
             for key, code in zip(keys, starts, strict=False)  # keys left unanswered: not written
             if code != 0
         }
-        outcome.update(_reserved_or_held(store, [key for key, o in outcome.items() if o is Added.RESERVED]))
+        outcome.update(reserved_or_held(store, [key for key, o in outcome.items() if o is Added.RESERVED]))
         opened = [i for i, code in enumerate(starts[: len(keys)]) if code == 0]
         stuck: set[str] = set()
         try:
-            ended = _fill_sessions(
+            ended = fill_sessions(
                 store,
                 [keys[i] for i in opened],
                 [ptrs[i] for i in opened],
@@ -456,7 +498,7 @@ class Writer:
             self._replicas = replicas
         return self._replicas
 
-    def _flush_on_worker(
+    def flush_on_worker(
         self, store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
     ) -> dict[str, bool]:
         if not batch:
@@ -468,7 +510,7 @@ class Writer:
         # strict=False: keys the binding's answer leaves out are not stored
         return {text: code == 0 for text, code in zip(keys, codes, strict=False)}
 
-    def _add_staged_on_worker(
+    def add_staged_on_worker(
         self, store: MooncakeDistributedStore, base: int, batch: list[tuple[str, int, int]]
     ) -> dict[str, Added]:
         """`_add_on_worker` of entries sealed in staging at ``base``."""
@@ -479,7 +521,7 @@ class Writer:
             store, keys, [[base + at] for _, at, _ in batch], [[n] for _, _, n in batch]
         )
 
-    def _write_large_on_worker(
+    def write_large_on_worker(
         self,
         store: MooncakeDistributedStore,
         text: str,
@@ -509,63 +551,3 @@ def _joined(runs_of: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
     import torch
 
     return [runs[0] if len(runs) == 1 else torch.cat(runs) for runs in runs_of.values()]
-
-
-def _refused(code: int, stuck: bool) -> Added:
-    """What a refused session start means: `Added.RESERVED` where the store holds the key or
-    another client reserves it (told apart by `_reserved_or_held`), `Added.HELD` where this
-    client writes it on another lane, else `Added.FAILED`."""
-    if code == ALREADY_EXISTS:
-        return Added.RESERVED
-    if code == INVALID_PARAMS and not stuck:
-        return Added.HELD
-    return Added.FAILED
-
-
-def _reserved_or_held(store: MooncakeDistributedStore, keys: list[str]) -> dict[str, Added]:
-    """Keys whose session start another client's session or entry refused: `Added.HELD`
-    where the store holds the key, `Added.RESERVED` where it does not (a write in progress,
-    or a squat), `Added.FAILED` where the master's answer says neither."""
-    if not keys:
-        return {}
-    codes = store.batch_is_exist(keys)
-    found = dict(zip(keys, codes, strict=False))
-    return {
-        key: Added.HELD if found.get(key) == 1 else Added.RESERVED if found.get(key) == 0 else Added.FAILED
-        for key in keys
-    }
-
-
-def _fill_sessions(
-    store: MooncakeDistributedStore,
-    keys: list[str],
-    ptrs: list[list[int]],
-    sizes: list[list[int]],
-    totals: list[int],
-    stuck: set[str],
-) -> set[str]:
-    """Send each opened session's buffers and end it; the keys made readable. Every other
-    session is revoked, whatever happens, so that no reservation outlives this call; the
-    keys whose revoke was refused too are added to `stuck`."""
-    ended: set[str] = set()
-    try:
-        if not keys:
-            return ended
-        offsets = [_offsets(run) for run in sizes]
-        sent = store.batch_put_from_multi_buffer_ranges(keys, ptrs, sizes, offsets)
-        # a range write answers the bytes it wrote; ending a short one would serve whatever
-        # the holder's memory held in the rest
-        whole = [key for key, n, total in zip(keys, sent, totals, strict=False) if n == total]
-        if whole:
-            codes = store.batch_put_session_end(whole)
-            ended.update(key for key, code in zip(whole, codes, strict=False) if code == 0)
-        return ended
-    finally:
-        unfinished = [key for key in keys if key not in ended]
-        if unfinished:
-            revoked: list[int] = []
-            try:
-                revoked = store.batch_put_session_revoke(unfinished)
-            finally:
-                answered = dict(zip(unfinished, revoked, strict=False))
-                stuck.update(key for key in unfinished if answered.get(key, -1) != 0)

@@ -1,0 +1,221 @@
+"""Faults of `MooncakeCache` on the fake store, timed by a fake clock: no test here sleeps.
+
+A hung binding call advances the cache's clock past the call's give-up time and then blocks
+until the test lets it go, so the cut-off, the stuck lane and the breaker's wait are all told
+by the clock, never by the wall (the real-master tests in test_mooncake_cache.py and
+test_mooncake_edges.py keep the promise honest in real time).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
+from mmkey.cache.health import CacheHealth
+from mmkey.entry.codec import encode_entry
+from mmkey.testing.fake_mooncake import RPC_FAIL, FakeMooncakeMaster, FakeMooncakeStore
+from tests._clock import FakeClock
+from tests._support import wait_until
+
+MiB = 1 << 20
+TIMEOUT = 2.0
+RETRY_AFTER = 30.0
+HUNG_FOR = 100.0
+"""How far the clock moves on while a call hangs: well past any timeout here."""
+
+
+def key(i: int) -> EmbeddingKey:
+    return EmbeddingKey("clock-model", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i))
+
+
+class Hangs:
+    """Binding methods made to hang: the first call of each moves the clock `HUNG_FOR` s on,
+    then blocks until `release`."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self._gates: dict[str, threading.Event] = {}
+        self.entered: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def hang(self, method: str) -> None:
+        with self._lock:
+            self._gates[method] = threading.Event()
+            self.entered[method] = threading.Event()
+
+    def release(self) -> None:
+        with self._lock:
+            gates, self._gates = list(self._gates.values()), {}
+        for gate in gates:
+            gate.set()
+
+    def enter(self, method: str) -> None:
+        with self._lock:
+            gate = self._gates.get(method)
+            entered = self.entered.get(method)
+            if gate is None or entered is None or entered.is_set():  # only its first call hangs
+                return
+            entered.set()
+        self.clock.advance(HUNG_FOR)
+        assert gate.wait(30), "the test never released a hung call"
+
+
+def store_class(hangs: Hangs) -> type[FakeMooncakeStore]:
+    class HangingStore(FakeMooncakeStore):
+        def batch_is_exist(self, keys: list[str]) -> list[int]:
+            hangs.enter("batch_is_exist")
+            return super().batch_is_exist(keys)
+
+        def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+            hangs.enter("batch_get_into")
+            return super().batch_get_into(keys, buffer_ptrs, sizes)
+
+        def batch_upsert_from(
+            self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], *rest: Any
+        ) -> list[int]:
+            hangs.enter("batch_upsert_from")
+            return super().batch_upsert_from(keys, buffer_ptrs, sizes, *rest)
+
+    return HangingStore
+
+
+@pytest.fixture
+def master() -> Iterator[FakeMooncakeMaster]:
+    with FakeMooncakeMaster() as m:
+        yield m
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def hangs(clock: FakeClock) -> Iterator[Hangs]:
+    h = Hangs(clock)
+    yield h
+    h.release()
+
+
+@pytest.fixture
+def cache(master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs) -> Iterator[MooncakeCache]:
+    config = MooncakeConfig(
+        master_server_address=master.address,
+        global_segment_size=0,
+        local_buffer_size=8 * MiB,
+        timeout=TIMEOUT,
+        retry_after=RETRY_AFTER,
+    )
+    with MooncakeCache(config, keyring=None, store_class=store_class(hangs), clock=clock) as c:
+        yield c
+    hangs.release()
+
+
+def a_holder(master: FakeMooncakeMaster) -> FakeMooncakeStore:
+    """A segment holder beside the cache (the cache itself lends no memory)."""
+    store = FakeMooncakeStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 16 * MiB, "tcp", "", master.address) == 0
+    return store
+
+
+@pytest.fixture
+def holder(master: FakeMooncakeMaster) -> Iterator[FakeMooncakeStore]:
+    store = a_holder(master)
+    yield store
+    store.close()
+
+
+def put(holder: FakeMooncakeStore, k: EmbeddingKey, tensor: torch.Tensor) -> None:
+    assert holder.upsert(k.to_key(), encode_entry(k.to_key(), tensor)) == 0
+
+
+def test_a_hung_lookup_is_a_miss_at_its_give_up_time_and_its_lane_is_stuck_by_the_clock(
+    cache: MooncakeCache,
+    master: FakeMooncakeMaster,
+    holder: FakeMooncakeStore,
+    clock: FakeClock,
+    hangs: Hangs,
+) -> None:
+    put(holder, key(1), torch.ones(4))
+    assert cache.batch_is_exist([key(1)]) == [True]  # the control
+    hangs.hang("batch_is_exist")
+    before = clock()
+    assert cache.batch_is_exist([key(1)]) == [False]
+    assert clock() - before == HUNG_FOR, "cut off by the clock the call moved, not by the wall"
+    assert cache.stats().errors == 1
+    assert cache.health() == CacheHealth(breaker_open=True, busy_lanes=1)
+    calls = master.calls["batch_is_exist"]
+    assert cache.batch_is_exist([key(1)]) == [False]  # the lane is stuck: answered at once
+    assert master.calls["batch_is_exist"] == calls and cache.stats().skipped == 1
+    hangs.release()
+    assert wait_until(lambda: cache.health().busy_lanes == 0, 10)  # the call ended: the lane is free
+    assert cache.batch_is_exist([key(1)]) == [False], "the breaker still refuses"
+    clock.advance(RETRY_AFTER)
+    assert cache.batch_is_exist([key(1)]) == [True], "one trial once retry_after passed, by the clock"
+    assert cache.health() == CacheHealth()
+
+
+def test_a_hung_transfer_is_a_miss_at_its_give_up_time_and_a_late_answer_frees_the_lane(
+    cache: MooncakeCache, holder: FakeMooncakeStore, clock: FakeClock, hangs: Hangs
+) -> None:
+    put(holder, key(2), torch.ones(4))
+    hangs.hang("batch_get_into")
+    assert cache.get_embeddings([key(2)]) == [None]
+    stats = cache.stats()
+    assert (stats.errors, stats.misses) == (1, 1)
+    assert cache.health().busy_lanes == 1, "stuck past the timeout, by the clock"
+    hangs.release()
+    # the late transfer lands in staging only, frees its lane and clears its holder
+    assert wait_until(lambda: cache.health() == CacheHealth(), 10), cache.health()
+    got = cache.get_embeddings([key(2)])[0]
+    assert got is not None and torch.equal(got, torch.ones(4))
+
+
+def test_a_read_from_another_holder_goes_to_another_lane_than_the_stuck_one(
+    cache: MooncakeCache, master: FakeMooncakeMaster, holder: FakeMooncakeStore, hangs: Hangs
+) -> None:
+    other = a_holder(master)
+    try:
+        put(holder, key(3), torch.ones(4))
+        put(other, key(4), torch.full((4,), 2.0))
+        hangs.hang("batch_get_into")
+        assert cache.get_embeddings([key(3)]) == [None]
+        # the holder that hung is found on the metadata lane (in the background) and quarantined
+        assert wait_until(lambda: cache.health().quarantined == (holder.get_hostname(),), 10)
+        got = cache.get_embeddings([key(4)])[0]  # the next lane: no wait behind the stuck one
+        assert got is not None and torch.equal(got, torch.full((4,), 2.0))
+        assert cache.health().busy_lanes == 1
+        assert cache.get_embeddings([key(3)]) == [None]  # bound for the quarantined holder
+        assert cache.stats().skipped == 1
+    finally:
+        hangs.release()
+        other.close()
+
+
+def test_a_hung_write_is_false_at_its_give_up_time_and_the_breaker_waits_by_the_clock(
+    cache: MooncakeCache,
+    master: FakeMooncakeMaster,
+    clock: FakeClock,
+    hangs: Hangs,
+    holder: FakeMooncakeStore,
+) -> None:
+    hangs.hang("batch_upsert_from")
+    assert cache.insert_batch([key(5)], [torch.ones(4)]) == [False]
+    assert cache.stats().errors == 1 and cache.stats().inserts == 0
+    hangs.release()
+    assert wait_until(lambda: cache.health().busy_lanes == 0, 10)
+    master.fail_next("batch_is_exist", code=RPC_FAIL)
+    assert cache.batch_is_exist([key(5)]) == [False]
+    assert cache.health().breaker_open
+    clock.advance(RETRY_AFTER - 1.0)
+    calls = sum(master.calls.values())
+    assert cache.insert_batch([key(5)], [torch.ones(4)]) == [False]  # refused, the store not asked
+    assert sum(master.calls.values()) == calls
+    clock.advance(1.0)
+    assert cache.insert_batch([key(5)], [torch.ones(4)]) == [True]
+    assert not cache.health().breaker_open
