@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -155,9 +156,12 @@ def wait_healthy(engines: Sequence[Engine], limit: float = 600.0) -> None:
         for engine in list(pending):
             if engine.proc.poll() is not None:
                 raise SystemExit(f"engine {engine.name} exited:\n{engine.log.read_text()[-3000:]}")
-            out = asyncio.run(loadgen.stream_post("127.0.0.1", engine.port, "/health", {}, 2))
-            if out.status == 200:
-                pending.remove(engine)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{engine.port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        pending.remove(engine)
+            except OSError:
+                pass
         if time.monotonic() > deadline:
             raise SystemExit(f"engines not healthy in {limit:.0f} s: {[e.name for e in pending]}")
         time.sleep(1.0)
