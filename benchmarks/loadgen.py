@@ -98,7 +98,7 @@ class Outcome:
 
 async def _read_chunked(reader: asyncio.StreamReader, start: float) -> tuple[float, bytes]:
     first = 0.0
-    parts = []
+    parts: list[bytes] = []
     while True:
         size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
         if size == 0:
@@ -122,30 +122,35 @@ async def stream_post(host: str, port: int, path: str, payload: object, timeout:
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode()
     start = time.perf_counter()
-    writer = None
+    streams: list[asyncio.StreamWriter] = []
+
+    async def exchange() -> tuple[int, float, bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        streams.append(writer)
+        writer.write(head + body)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            first, data = await _read_chunked(reader, start)
+        else:
+            data = await reader.read()
+            first = time.perf_counter() - start
+        return status, first, data
+
     try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port)
-            writer.write(head + body)
-            await writer.drain()
-            status = int((await reader.readline()).split()[1])
-            headers = {}
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            if headers.get("transfer-encoding", "").lower() == "chunked":
-                first, data = await _read_chunked(reader, start)
-            else:
-                data = await reader.read()
-                first = time.perf_counter() - start
+        status, first, data = await asyncio.wait_for(exchange(), timeout)
         total = time.perf_counter() - start
         error = "" if status == 200 else data[:200].decode("utf-8", "replace")
         return Outcome(first or total, total, status, error, data)
-    except (OSError, TimeoutError, ValueError, IndexError, asyncio.IncompleteReadError) as exc:
+    except (OSError, asyncio.TimeoutError, ValueError, IndexError, asyncio.IncompleteReadError) as exc:
         elapsed = time.perf_counter() - start
         return Outcome(elapsed, elapsed, 0, f"{type(exc).__name__}: {exc}")
     finally:
-        if writer is not None:
+        for writer in streams:
             writer.close()
 
 

@@ -91,7 +91,7 @@ def _cell_rows(cells: Sequence[Summary]) -> list[list[object]]:
             c.p99,
             int(c.tower_images),
             round(c.tower_ms, 1),
-            f"{c.hit_rate * 100:.0f}%",
+            round(c.hit_rate * 100),
             round(c.moved_bytes / MiB, 1),
             c.failed,
         ]
@@ -152,7 +152,7 @@ def render(report: Report, image_tokens: int, tower: str) -> str:
         "p99 ms",
         "tower runs",
         "tower ms/image",
-        "hit rate",
+        "hit rate %",
         "MiB moved",
         "failed",
     ]
