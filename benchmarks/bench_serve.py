@@ -168,7 +168,9 @@ def wait_healthy(engines: Sequence[Engine], limit: float = 600.0) -> None:
 
 
 @contextmanager
-def engines_running(workdir: Path, tag: str, model: Path, ec: dict[str, Any] | None, count: int) -> Iterator[list[Engine]]:
+def engines_running(
+    workdir: Path, tag: str, model: Path, ec: dict[str, Any] | None, count: int
+) -> Iterator[list[Engine]]:
     engines = [start_engine(workdir, f"{tag}-{i}", model, ec) for i in range(count)]
     try:
         wait_healthy(engines)
@@ -220,7 +222,13 @@ class Cell:
 
 
 async def measure_cell(
-    row: str, engines: Sequence[Engine], model: Path, trace: Sequence[int], base: int, reuse: float, clients: int
+    row: str,
+    engines: Sequence[Engine],
+    model: Path,
+    trace: Sequence[int],
+    base: int,
+    reuse: float,
+    clients: int,
 ) -> Cell:
     """Replay ``trace`` (image ``base + id``) over ``engines`` (alternating); the engines'
     counter deltas (tower images and seconds, bytes loaded and saved, items loaded)."""
@@ -230,7 +238,9 @@ async def measure_cell(
     def sender(i: int, image: int) -> Callable[[], Awaitable[loadgen.Outcome]]:
         engine = engines[i % len(engines)]
         body = chat_body(model, base + image, f"r{base}-{i}" if fresh else None)
-        return lambda: loadgen.stream_post("127.0.0.1", engine.port, "/v1/chat/completions", body, REQUEST_TIMEOUT)
+        return lambda: loadgen.stream_post(
+            "127.0.0.1", engine.port, "/v1/chat/completions", body, REQUEST_TIMEOUT
+        )
 
     for image in set(trace):
         image_url(base + image)  # encoded before the clock starts
@@ -254,7 +264,9 @@ def warm(engines: Sequence[Engine], model: Path) -> None:
                 body = chat_body(model, 10_000_000 + 100 * engine.port + k, None)
                 out = await loadgen.stream_post("127.0.0.1", engine.port, "/v1/chat/completions", body, 300)
                 if not out.ok:
-                    raise SystemExit(f"{engine.name}: warm-up failed: {out.error}\n{engine.log.read_text()[-3000:]}")
+                    raise SystemExit(
+                        f"{engine.name}: warm-up failed: {out.error}\n{engine.log.read_text()[-3000:]}"
+                    )
 
     asyncio.run(go())
 
@@ -265,7 +277,11 @@ def mmkey_ec(master: str) -> dict[str, Any]:
         "ec_connector_module_path": "mmkey.integrations.vllm",
         "ec_role": "ec_both",
         "ec_connector_extra_config": {
-            "mooncake": {"master_server_address": master, "global_segment_size": 0, "local_buffer_size": "128MB"}
+            "mooncake": {
+                "master_server_address": master,
+                "global_segment_size": 0,
+                "local_buffer_size": "128MB",
+            }
         },
     }
 
@@ -280,7 +296,9 @@ def hit_path(master: str, entry: tuple[int, int], repeats: int = 30) -> dict[str
     config = MooncakeConfig(master_server_address=master, global_segment_size=0, local_buffer_size=64 << 20)
     cache = MooncakeCache(config, keyring=None)
     try:
-        keys = [EmbeddingKey("bench-serve", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i)) for i in range(repeats)]
+        keys = [
+            EmbeddingKey("bench-serve", Modality.IMAGE, HashScheme.BLAKE3, mm_hash(i)) for i in range(repeats)
+        ]
         tensors = [torch.randn(entry, dtype=torch.float32).to(torch.bfloat16) for _ in keys]
         assert all(cache.insert_batch(keys, tensors))
         look, fetch = [], []
@@ -325,10 +343,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="mmkey-bench-serve-"))
     model = build_tiny_llava(
-        workdir / "model", image_size=IMAGE, patch=PATCH, tower_hidden=HIDDEN, tower_layers=LAYERS, max_positions=2048
+        workdir / "model",
+        image_size=IMAGE,
+        patch=PATCH,
+        tower_hidden=HIDDEN,
+        tower_layers=LAYERS,
+        max_positions=2048,
     )
     plan = [(reuse, c) for reuse in reuses for c in clients]
-    traces = {(reuse, c): loadgen.make_trace(args.requests, reuse, args.seed + k) for k, (reuse, c) in enumerate(plan)}
+    traces = {
+        (reuse, c): loadgen.make_trace(args.requests, reuse, args.seed + k)
+        for k, (reuse, c) in enumerate(plan)
+    }
     bases = {cell: 1000 * (k + 1) for k, cell in enumerate(plan)}
     cells: list[Cell] = []
     loads: list[float] = []
@@ -337,7 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         warm(engines, model)
         for name in names:
             for cell in plan:
-                cells.append(asyncio.run(measure_cell(name, engines, model, traces[cell], bases[cell], *cell)))
+                cells.append(
+                    asyncio.run(measure_cell(name, engines, model, traces[cell], bases[cell], *cell))
+                )
                 loads.append(os.getloadavg()[0])
 
     plain = [r for r in ("none", "in-engine") if r in rows]
@@ -371,12 +399,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 trace = loadgen.make_trace(args.requests, reuse, args.seed + 99)
                 fleet.holders[0].pause()
                 try:
-                    fault = asyncio.run(measure_cell("mmkey, store paused", engines, model, trace, 900_000, reuse, c))
+                    fault = asyncio.run(
+                        measure_cell("mmkey, store paused", engines, model, trace, 900_000, reuse, c)
+                    )
                 finally:
                     fleet.holders[0].resume()
     report = serve_tables.Report(
-        cells=[serve_tables.summarize(c.row, c.reuse, c.clients, c.outcomes, c.wall, c.counts) for c in cells],
-        fault=None if fault is None else serve_tables.summarize(
+        cells=[
+            serve_tables.summarize(c.row, c.reuse, c.clients, c.outcomes, c.wall, c.counts) for c in cells
+        ],
+        fault=None
+        if fault is None
+        else serve_tables.summarize(
             fault.row, fault.reuse, fault.clients, fault.outcomes, fault.wall, fault.counts
         ),
         hit_ms=hit,
@@ -386,7 +420,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines=args.engines,
         requests=args.requests,
     )
-    print(serve_tables.render(report, IMAGE_TOKENS, f"CLIP {IMAGE} px / {PATCH} px patches, hidden {HIDDEN} x {LAYERS} layers"))
+    print(
+        serve_tables.render(
+            report, IMAGE_TOKENS, f"CLIP {IMAGE} px / {PATCH} px patches, hidden {HIDDEN} x {LAYERS} layers"
+        )
+    )
     shutil.rmtree(workdir, ignore_errors=True)  # kept, with every engine's log, when a run fails
     return 0
 

@@ -45,7 +45,12 @@ class Summary:
 
 
 def summarize(
-    row: str, reuse: float, clients: int, outcomes: Sequence[Outcome], wall: float, counts: Mapping[str, float]
+    row: str,
+    reuse: float,
+    clients: int,
+    outcomes: Sequence[Outcome],
+    wall: float,
+    counts: Mapping[str, float],
 ) -> Summary:
     """A cell's outcomes (time to first token over the requests that succeeded) and counters."""
     ttft = [o.first * 1e3 for o in outcomes if o.ok] or [float("nan")]
@@ -124,10 +129,13 @@ def targets(report: Report) -> list[str]:
         if c.reuse >= 0.8:
             cut = (1 - c.p50 / none.p50) * 100
             verdict = "met" if cut >= 50 else "missed"
-            lines.append(f"p50 at {c.reuse:.0%} reuse, {c.clients} clients: {cut:.0f}% below none ({verdict})")
+            lines.append(
+                f"p50 at {c.reuse:.0%} reuse, {c.clients} clients: {cut:.0f}% below none ({verdict})"
+            )
         verdict = "met" if c.p99 <= none.p99 else "missed"
         lines.append(
-            f"p99 at {c.reuse:.0%} reuse, {c.clients} clients: mmkey {c.p99:.0f} ms, none {none.p99:.0f} ms ({verdict})"
+            f"p99 at {c.reuse:.0%} reuse, {c.clients} clients: "
+            f"mmkey {c.p99:.0f} ms, none {none.p99:.0f} ms ({verdict})"
         )
     if report.fault is not None:
         f = report.fault
@@ -166,7 +174,12 @@ def render(report: Report, image_tokens: int, tower: str) -> str:
         cells = [c for c in report.cells if c.reuse == reuse]
         out += ["", f"{reuse:.0%} of requests repeat an image:", "", format_table(header, _cell_rows(cells))]
     if report.fault is not None:
-        out += ["", "the store's holder paused (SIGSTOP):", "", format_table(header, _cell_rows([report.fault]))]
+        out += [
+            "",
+            "the store's holder paused (SIGSTOP):",
+            "",
+            format_table(header, _cell_rows([report.fault])),
+        ]
     tower_cost = tower_ms([c for c in report.cells if c.row == "none"] or report.cells)
     if report.hit_ms:
         hit = sum(report.hit_ms.values())
