@@ -89,10 +89,12 @@ def build_tiny_llava(
     patch: int = PATCH,
     tower_hidden: int = 32,
     tower_layers: int = 2,
+    max_positions: int = 512,
 ) -> Path:
     """Write the model, its tokenizer and its processor into `out`; returns `out`.
 
-    The tower's sizes can be raised (a benchmark wants a tower whose cost matters)."""
+    The tower's sizes can be raised (a benchmark wants a tower whose cost matters), and the
+    decoder's context with them (``max_positions``: more image tokens than 512)."""
     import torch
 
     safetensors = _untyped("safetensors.torch")
@@ -125,7 +127,7 @@ def build_tiny_llava(
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=VOCAB,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,

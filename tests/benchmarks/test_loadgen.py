@@ -1,0 +1,136 @@
+"""The serving benchmark's trace generator, client, percentiles and tables (seeded, exact)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+loadgen: Any = importlib.import_module("loadgen")
+serve_tables: Any = importlib.import_module("serve_tables")
+
+
+def test_a_trace_is_seeded_and_repeats_the_share_asked() -> None:
+    trace = loadgen.make_trace(200, 0.8, seed=7)
+    assert trace == loadgen.make_trace(200, 0.8, seed=7)
+    assert trace != loadgen.make_trace(200, 0.8, seed=8)
+    assert loadgen.repeat_share(trace) == pytest.approx(0.8)
+    assert trace[0] == 0
+    # new images are numbered in order of first use
+    firsts = [image for i, image in enumerate(trace) if image not in trace[:i]]
+    assert firsts == list(range(len(firsts)))
+    assert loadgen.repeat_share(loadgen.make_trace(10, 0.0, seed=1)) == 0.0
+    assert loadgen.make_trace(5, 1.0, seed=1) == [0, 0, 0, 0, 0]  # the first is always new
+
+
+def test_repeats_favour_the_first_images_seen() -> None:
+    trace = loadgen.make_trace(2000, 0.8, seed=3)
+    counts = [trace.count(i) for i in range(3)]
+    later = max(trace.count(i) for i in range(50, max(trace) + 1))
+    assert counts[0] > counts[1] > counts[2] > later
+
+
+def test_a_trace_refuses_a_share_out_of_range() -> None:
+    with pytest.raises(ValueError, match="repeats"):
+        loadgen.make_trace(10, 1.5, seed=0)
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert loadgen.percentile(values, 0.5) == pytest.approx(50.5)
+    assert loadgen.percentile(values, 0.99) == pytest.approx(99.01)
+    assert loadgen.percentile([3.0, 1.0, 2.0], 0.0) == 1.0
+    assert loadgen.percentile([3.0, 1.0, 2.0], 1.0) == 3.0
+    with pytest.raises(ValueError):
+        loadgen.percentile([], 0.5)
+
+
+def test_a_table_is_markdown() -> None:
+    table = loadgen.format_table(["row", "ms"], [["a", 1.25], ["b", 3]])
+    assert table.splitlines() == ["| row | ms |", "|---|---|", "| a | 1.2 |", "| b | 3 |"]
+    with pytest.raises(ValueError):
+        loadgen.format_table(["row", "ms"], [["a"]])
+
+
+def test_the_client_only_speaks_to_loopback() -> None:
+    with pytest.raises(ValueError, match="loopback"):
+        asyncio.run(loadgen.stream_post("10.0.0.1", 80, "/", {}, 1.0))
+
+
+def test_the_client_times_a_chunked_stream_and_replay_bounds_clients() -> None:
+    in_flight, most = 0, 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"6\r\n world\r\n0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+        in_flight -= 1
+
+    async def main() -> tuple[list[Any], float]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            sends = [lambda: loadgen.stream_post("127.0.0.1", port, "/x", {"a": 1}, 10.0) for _ in range(6)]
+            result: tuple[list[Any], float] = await loadgen.replay(sends, 2)
+            return result
+
+    outcomes, wall = asyncio.run(main())
+    assert len(outcomes) == 6 and all(o.ok for o in outcomes)
+    assert all(o.body == b"hello world" and o.first < o.total for o in outcomes)
+    assert most == 2
+    assert wall > 0
+
+
+def test_a_refused_connection_is_an_outcome_not_an_exception() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = asyncio.run(loadgen.stream_post("127.0.0.1", port, "/", {}, 2.0))
+    assert not out.ok and out.status == 0 and "Error" in out.error
+
+
+def _outcomes(ms: list[float], failed: int = 0) -> list[Any]:
+    done = [loadgen.Outcome(v / 1e3, v / 1e3, 200) for v in ms]
+    return done + [loadgen.Outcome(1.0, 1.0, 0, "refused")] * failed
+
+
+def test_summaries_and_targets() -> None:
+    counts = {"tower_images": 10.0, "tower_s": 1.0}
+    none = serve_tables.summarize("none", 0.8, 4, _outcomes([100.0] * 9 + [200.0]), 2.0, counts)
+    assert none.rate == 5.0 and none.p50 == 100.0 and none.hit_rate == 0.0 and none.tower_ms == 100.0
+    mm_counts = {"tower_images": 2.0, "tower_s": 0.2, "loaded_bytes": 3 << 20, "saved_bytes": 1 << 20}
+    mmkey = serve_tables.summarize("mmkey", 0.8, 4, _outcomes([20.0] * 9, failed=1), 1.0, mm_counts)
+    assert mmkey.failed == 1 and mmkey.hit_rate == pytest.approx(0.8) and mmkey.moved_bytes == 4 << 20
+    fault = serve_tables.summarize("mmkey, store paused", 0.8, 4, _outcomes([1500.0]), 1.0, {})
+    report = serve_tables.Report(
+        cells=[none, mmkey],
+        fault=fault,
+        hit_ms={"lookup": 1.0, "fetch": 2.0},
+        timeout_s=1.0,
+        load=1.5,
+        minutes=2.0,
+        engines=2,
+        requests=10,
+    )
+    lines = serve_tables.targets(report)
+    assert lines[0] == "hit path <= 5% of the tower: 3.0% (met)"
+    assert "80% below none (met)" in lines[1]
+    assert "mmkey 20 ms, none 191 ms (met)" in lines[2]
+    assert lines[3].endswith("bound none p99 + 1.0 s = 1191 ms (missed)")
+    text = serve_tables.render(report, 576, "CLIP")
+    assert "| mmkey, 4 clients | 10.0 | 20.0 |" in text and "load average up to 1.5" in text
