@@ -81,7 +81,7 @@ class Done(Generic[T]):
 @attrs.frozen(slots=True)
 class Failed:
     """A call that gave no value, and why; `error` is what it raised (`Why.RAISED`), or a
-    `CallTimeout` / `StoreError` describing the other cases."""
+    `CallTimeout` (timed out, not started) or `StoreClosed` (closed) otherwise."""
 
     why: Why
     error: BaseException
@@ -104,7 +104,7 @@ class _Task:
     call costs milliseconds (``batch_is_exist`` of 1000 keys: about 0.5 ms).
     """
 
-    __slots__ = ("abandoned", "closed", "finished", "fn", "future", "value")
+    __slots__ = ("abandoned", "closed", "finished", "fn", "future", "raised", "value")
 
     def __init__(self, fn: Callable[[], object]) -> None:
         self.fn: Callable[[], object] | None = fn
@@ -112,7 +112,8 @@ class _Task:
         self.abandoned: Callable[[Any], object] | None = None
         self.finished = False  # the call ran to the end (the lane's lock is held to change it)
         self.closed = False  # the lane settled the future when it closed
-        self.value: object = None
+        self.value: object = None  # the call's own value and whether it raised, once finished
+        self.raised = False
 
 
 class Ticket(Generic[T_co]):
@@ -212,7 +213,7 @@ class Lane:
             finished = task.finished
             if not finished:
                 task.abandoned = abandoned
-        if finished and task.future.done() and task.future.exception() is None:
+        if finished and not task.raised:
             _handed(abandoned, task.value)
 
     def stop(self) -> None:
@@ -253,7 +254,7 @@ class Lane:
             except BaseException as exc:  # handed to the caller
                 error = exc
             with lock:
-                task.fn, task.finished, task.value = None, True, value
+                task.fn, task.finished, task.value, task.raised = None, True, value, error is not None
                 hand = task.abandoned
                 self._pending -= 1
                 self._running_since = None
