@@ -82,7 +82,15 @@ def _vllm_connector_stand_in() -> None:
     connector_base = type("ECConnectorBase", (), {name: hook(name, p) for name, p in hooks.items()})
     role = enum.Enum("ECConnectorRole", ["SCHEDULER", "WORKER"])  # type: ignore[misc]
     for module, classes in (
-        (base, (connector_base, type("ECConnectorMetadata", (), {}), role)),
+        (
+            base,
+            (
+                connector_base,
+                type("ECConnectorMetadata", (), {}),
+                type("ECConnectorWorkerMetadata", (), {}),
+                role,
+            ),
+        ),
         (metrics, (type("ECConnectorStats", (), {}),)),
     ):
         for cls in classes:

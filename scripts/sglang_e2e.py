@@ -713,7 +713,9 @@ def held(name: str, seen: dict[str, Any]) -> bool:
             and len(both["new_keys"]) == 1
             and both["a"]["misses"] + both["b"]["misses"] == 1  # one encode for the two servers
             and both["a"]["global_hits"] + both["b"]["global_hits"] == 1
-            and sorted(w["served"] for w in waits) == [0, 1]  # the other waited and was served
+            # the other waited and was served, or looked once the entry had landed: never encoded
+            and sorted(w["served"] for w in waits) in ([0, 0], [0, 1])
+            and all(w["encoded"] == 0 for w in waits)
             and both["fetched"] == 1
             and bd["b"] == bd["ref"] != ""
             and seen["batch"]["global_hits"] == 2

@@ -23,7 +23,7 @@ TORCH_FREE_TESTS=(
     tests/core/test_digest.py
     tests/core/test_golden.py
     tests/cache/mooncake/test_mooncake_config.py
-    tests/core/test_deadline_runner.py
+    tests/core/test_lane.py
     tests/core/test_import_cost.py
     tests/core/test_without_torch.py
 )

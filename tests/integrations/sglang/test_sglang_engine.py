@@ -116,7 +116,11 @@ def test_one_image_asked_of_two_servers_at_once_is_encoded_once_and_served_right
     assert both["a"]["global_hits"] + both["b"]["global_hits"] == 1
     encoder = "a" if both["a"]["misses"] == 1 else "b"
     waiter = "b" if encoder == "a" else "a"
-    assert both["waits"][waiter] == {"lines": 1, "items": 1, "served": 1, "encoded": 0}
+    # it waited for the claimant's entry, or (on a crowded host) asked once it had landed
+    assert both["waits"][waiter] in (
+        {"lines": 1, "items": 1, "served": 1, "encoded": 0},
+        {"lines": 0, "items": 0, "served": 0, "encoded": 0},
+    )
     assert both["waits"][encoder]["lines"] == 0  # the claimant never waits
     assert both["fetched"] == 1  # the waiter read the claimant's entry from the store
 
