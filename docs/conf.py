@@ -160,6 +160,15 @@ nitpick_ignore_regex = [
     # mmkey's own private names where they show in a signature (``_Sealed``): not API, not
     # documented
     (r"py:.*", r"mmkey(\.\w+)*\._\w+(\.\w+)*"),
+    # names of mmkey's private modules cited from another private module's docstring (Mooncake's
+    # result codes of the fake store, the codec's layout constants, the lane's types): the
+    # modules are not documented, so the names have no page to link to
+    (
+        r"py:.*",
+        r"(INVALID_PARAMS|NOT_FOUND|TRANSFER_FAIL|RPC_FAIL|OBJECT_ALREADY_EXISTS|NO_AVAILABLE_HANDLE"
+        r"|ILLEGAL_CLIENT|UNWRITTEN_BYTE|INVALID_REPLICA|HEADER_ALIGN|HAS_LEASE|DTYPE_CODES"
+        r"|CacheParts|Outcome|Clock|ECConnectorOutput|table|name|file)",
+    ),
     # mmkey.encoder's ``Device`` alias (``torch.device | str``): an alias autodoc leaves unexpanded
     (r"py:class", r"Device"),
     # vLLM and SGLang, whose classes the integrations implement: no inventories offline
