@@ -167,7 +167,7 @@ nitpick_ignore_regex = [
         r"py:.*",
         r"(INVALID_PARAMS|NOT_FOUND|TRANSFER_FAIL|RPC_FAIL|OBJECT_ALREADY_EXISTS|NO_AVAILABLE_HANDLE"
         r"|ILLEGAL_CLIENT|UNWRITTEN_BYTE|INVALID_REPLICA|HEADER_ALIGN|HAS_LEASE|DTYPE_CODES"
-        r"|CacheParts|Outcome|Clock|ECConnectorOutput|table|name|file)",
+        r"|CacheParts|Outcome|Clock|ECConnectorOutput)",
     ),
     # mmkey.encoder's ``Device`` alias (``torch.device | str``): an alias autodoc leaves unexpanded
     (r"py:class", r"Device"),

@@ -18,7 +18,9 @@ import torch
 
 from tests._support import wait_until
 from tests.integrations.vllm.vllm_support import (
+    StepClock,
     connector,
+    install_step_clock,
     mooncake_extra,
     request,
     require_vllm,
@@ -54,21 +56,9 @@ CLAIM_WAIT_S = 3.0
 """The cache's ``claim_wait``: a request waits this long at most for an item claimed elsewhere."""
 
 
-class StepClock:
-    """A monotonic clock that moves only when the test says."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
-    made = StepClock()
-    monkeypatch.setattr(connector_module, "_clock", made, raising=False)
-    return made
+    return install_step_clock(monkeypatch)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ elsewhere they skip.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from tests._support import require_stack
+from tests._support import require_stack, wait_until
 
 require_stack(
     "vllm._C",
@@ -479,11 +480,14 @@ def test_two_engines_given_the_same_images_at_once_encode_each_image_once(
     other = start_engine(tmp_path, "two", dict(spec, name="two"))
     started = host.start(tmp_path, "one", dict(spec, name="one"))
     try:
+
+        def both_ready(k: int) -> bool:  # (or the other engine died: the one left is let go)
+            return (
+                all((barrier / f"{n}.ready-{k}").exists() for n in ("one", "two")) or other.poll() is not None
+            )
+
         for k in range(2):  # round 0, then the release after it
-            stop = time.monotonic() + ENGINE_TIMEOUT_S
-            ready = [barrier / f"{name}.ready-{k}" for name in ("one", "two")]
-            while not all(p.exists() for p in ready) and time.monotonic() < stop and other.poll() is None:
-                time.sleep(0.01)
+            wait_until(functools.partial(both_ready, k), ENGINE_TIMEOUT_S)
             (barrier / f"go-{k}").write_text("go")  # (an engine that died: the other is let go)
     finally:
         one = host.wait(started)

@@ -18,7 +18,9 @@ import torch
 
 from tests._support import wait_until
 from tests.integrations.vllm.vllm_support import (
+    StepClock,
     connector,
+    install_step_clock,
     mooncake_extra,
     produce,
     request,
@@ -32,7 +34,6 @@ require_vllm()
 
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 
-import mmkey.integrations.vllm._connector as connector_module  # noqa: E402
 from mmkey import EmbeddingKey, HashScheme, Modality  # noqa: E402
 from mmkey.integrations.vllm import MMKeyECConnector, MMKeyECMetadata  # noqa: E402
 from mmkey.integrations.vllm._connector_settings import content_digest  # noqa: E402
@@ -47,21 +48,9 @@ STEP_S = 0.01
 """The time one engine step takes on the test's clock."""
 
 
-class StepClock:
-    """A monotonic clock that moves only when the test says."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
-    made = StepClock()
-    monkeypatch.setattr(connector_module, "_clock", made, raising=False)
-    return made
+    return install_step_clock(monkeypatch)
 
 
 def pixels(seed: int) -> torch.Tensor:

@@ -20,6 +20,8 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import pytest
+
 from tests._support import ROOMY_TIMEOUT, require_stack
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM cannot infer a device without one
@@ -260,3 +262,22 @@ def consume(meta: MMKeyECMetadata, encoder_cache: dict[str, torch.Tensor]) -> EC
         pass  # the model would run here: vLLM gathers encoder outputs from encoder_cache
     assert output is not None
     return output
+
+
+class StepClock:
+    """A monotonic clock that moves only when the test says (``clock.now += seconds``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def install_step_clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
+    """A `StepClock` that times every wait of the connectors built afterwards (until undone)."""
+    import mmkey.integrations.vllm._connector as connector_module
+
+    made = StepClock()
+    monkeypatch.setattr(connector_module, "_clock", made, raising=False)
+    return made

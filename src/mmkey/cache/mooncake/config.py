@@ -272,7 +272,7 @@ MMKEY_ENV = {
 
 @attrs.frozen(slots=True)
 class Env:
-    """A source of a field: the variable `name`, when set and not empty (and, with
+    """A source of a field: the variable ``name``, when set and not empty (and, with
     ``without_file``, only where no config file is given)."""
 
     name: str
@@ -294,9 +294,9 @@ ENV_TABLE: Mapping[str, Sequence[Source]] = {
 def read_fields(
     table: Mapping[str, Sequence[Source]], environ: Mapping[str, str], file: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    """Each field of `table` from the first of its sources that has it (fields none has are
+    """Each field of ``table`` from the first of its sources that has it (fields none has are
     left out, for a default): the one reader of a Mooncake configuration from variables and
-    a config file's fields (`file`, ``None`` when no file is given)."""
+    a config file's fields (``file``, ``None`` when no file is given)."""
     fields: dict[str, Any] = {}
     for name, sources in table.items():
         for source in sources:
