@@ -119,7 +119,14 @@ def test_port_probes() -> None:
         port = listener.getsockname()[1]
         assert port_accepts("127.0.0.1", port, 1.0)
     assert not port_accepts("127.0.0.1", port, 0.2)
-    assert _net.__all__ == ["check_address_field", "master_answers", "parse_host_port", "port_accepts"]
+    assert _net.__all__ == [
+        "PROGRESS_ENV",
+        "bound_stalled_transfers",
+        "check_address_field",
+        "master_answers",
+        "parse_host_port",
+        "port_accepts",
+    ]
 
 
 # -- imports stay cheap ------------------------------------------------------------------------

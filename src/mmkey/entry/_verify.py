@@ -239,11 +239,22 @@ def _read(
             at += size
         return None, unsigned
     if copy:
-        out = rt.blank[parsed.dtype].new_empty(parsed.shape)
-        if payload:
-            _copy_hashing(byte_view(out, writable=True), view[parsed.header_size :], verifier)
+        if not payload:
+            _check_tag(verifier.digest(), expected, key, secret, keyring)
+            return rt.blank[parsed.dtype].new_empty(parsed.shape), unsigned
+        source = view[parsed.header_size :]
+        if payload > _CHUNK:  # copied and hashed a chunk at a time, while it is in cache
+            out = rt.blank[parsed.dtype].new_empty(parsed.shape)
+            _copy_hashing(byte_view(out, writable=True), source, verifier)
+            _check_tag(verifier.digest(), expected, key, secret, keyring)
+            return out, unsigned
+        copied = bytearray(source)  # one copy (cheaper than a tensor's byte view when small)
+        verifier.update(copied)
         _check_tag(verifier.digest(), expected, key, secret, keyring)
-        return out, unsigned
+        import torch
+
+        tensor = torch.frombuffer(copied, dtype=parsed.dtype, count=payload // parsed.dtype.itemsize)
+        return tensor.view(parsed.shape), unsigned
     verifier.update(view[parsed.header_size :])
     _check_tag(verifier.digest(), expected, key, secret, keyring)
     if view.readonly:

@@ -26,6 +26,7 @@ import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.cache.aio import AsyncCache
+from mmkey.cache.mooncake._net import PROGRESS_ENV
 from mmkey.testing.fleet import (
     Fleet,
     HolderProcess,
@@ -162,8 +163,9 @@ def test_a_paused_holder_never_blinds_a_reader(mooncake_fleet: Fleet, store: obj
 
 
 def test_a_slow_holder_whose_late_transfer_completes_is_readmitted_without_a_probe(
-    mooncake_fleet: Fleet, store: object
+    mooncake_fleet: Fleet, store: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv(PROGRESS_ENV, "30")  # the binding's own deadline: the transfer outlives the pause
     # a busy host's healthy holder can miss a short deadline once; its transfer then completes,
     # and that alone re-admits it (probes ride on reads, and none follows here)
     keys = [key(4000 + i) for i in range(40)]
@@ -335,7 +337,7 @@ def one_holder_fleet() -> Iterator[Fleet]:
 
 
 def test_an_abandoned_read_still_writes_its_buffer_when_the_holder_resumes(
-    one_holder_fleet: Fleet,
+    one_holder_fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A multi-buffer read stuck on a paused holder writes nothing while it waits and the whole
     buffer once the holder answers. So a caller that gives up at its deadline and hands the buffer
@@ -344,6 +346,7 @@ def test_an_abandoned_read_still_writes_its_buffer_when_the_holder_resumes(
     """
     from mooncake.store import MooncakeDistributedStore
 
+    monkeypatch.setenv(PROGRESS_ENV, "30")  # the binding's default, whatever a cache of this process set
     fleet = one_holder_fleet
     holder = fleet.holders[0]
     size, pages = 8 << 20, 8

@@ -34,7 +34,7 @@ import attrs
 
 from mmkey._deadline import MONOTONIC, Breaker, Clock, Done, Failed, Lane, Outcome, Ticket, Why
 from mmkey._log import Counters, RateLimitedLog
-from mmkey.cache.mooncake._net import master_answers, parse_host_port
+from mmkey.cache.mooncake._net import bound_stalled_transfers, master_answers, parse_host_port
 from mmkey.cache.mooncake._quarantine import Quarantine
 from mmkey.cache.mooncake._staging import ReadSlots, Staging
 from mmkey.cache.mooncake.config import MooncakeConfig
@@ -452,6 +452,7 @@ class StoreTransport:
         left = give_up - self.clock()
         if left <= 0 or not self.master_answers(min(left, _PING_S)):
             return False
+        bound_stalled_transfers(self._config.timeout)
         store = self.store_class()
         if store.setup(*self._config.setup_args(), tenant_id=self._config.tenant_id) != 0:
             store.close()  # measured safe and quick on a store whose setup failed
