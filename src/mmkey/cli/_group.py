@@ -7,8 +7,8 @@ import click
 from mmkey.cli.bench import bench
 from mmkey.cli.demo.command import demo
 from mmkey.cli.hashfiles import hash_files
-from mmkey.cli.holder import holder
-from mmkey.cli.keys import key
+from mmkey.cli.holder_command import holder
+from mmkey.cli.key_command import key
 
 __all__ = ["cli"]
 
