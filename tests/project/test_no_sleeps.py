@@ -35,7 +35,6 @@ PENDING: frozenset[str] = frozenset(
         "benchmarks/test_loadgen.py",
         "cache/mooncake/test_mooncake_cache.py",
         "cache/mooncake/test_mooncake_claims.py",
-        "cache/mooncake/test_mooncake_contract.py",
         "cache/mooncake/test_mooncake_edges.py",
         "cache/mooncake/test_mooncake_squat.py",
         "cache/mooncake/test_mooncake_transport.py",
