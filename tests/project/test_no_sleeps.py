@@ -37,7 +37,6 @@ PENDING: frozenset[str] = frozenset(
         "cache/mooncake/test_mooncake_claims.py",
         "cache/mooncake/test_mooncake_edges.py",
         "cache/mooncake/test_mooncake_squat.py",
-        "cache/mooncake/test_mooncake_transport.py",
         "cache/test_cache_aio.py",
         "encoder/test_encoder_claims.py",
         "integrations/sglang/test_sglang_store.py",
