@@ -33,7 +33,6 @@ ALLOWED: dict[str, str] = {
 PENDING: frozenset[str] = frozenset(
     {
         "benchmarks/test_loadgen.py",
-        "cache/mooncake/test_mooncake_cache.py",
         "cache/test_cache_aio.py",
         "encoder/test_encoder_claims.py",
         "integrations/sglang/test_sglang_store.py",
