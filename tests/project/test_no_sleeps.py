@@ -32,9 +32,6 @@ ALLOWED: dict[str, str] = {
 
 PENDING: frozenset[str] = frozenset(
     {
-        "benchmarks/test_loadgen.py",
-        "cache/test_cache_aio.py",
-        "encoder/test_encoder_claims.py",
         "integrations/sglang/test_sglang_store.py",
         "integrations/vllm/test_vllm_engine.py",
         "integrations/vllm/vllm_support.py",
