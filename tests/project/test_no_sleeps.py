@@ -35,8 +35,6 @@ PENDING: frozenset[str] = frozenset(
         "integrations/sglang/test_sglang_store.py",
         "integrations/vllm/test_vllm_engine.py",
         "integrations/vllm/vllm_support.py",
-        "testing/test_fleet_harness.py",
-        "testing/test_mooncake_master.py",
     }
 )
 """Test files not moved to the injected clock yet (this list only shrinks)."""
