@@ -30,15 +30,6 @@ ALLOWED: dict[str, str] = {
 }
 """Helper files (relative to ``tests/``) that may sleep, each with the reason."""
 
-PENDING: frozenset[str] = frozenset(
-    {
-        "integrations/sglang/test_sglang_store.py",
-        "integrations/vllm/test_vllm_engine.py",
-        "integrations/vllm/vllm_support.py",
-    }
-)
-"""Test files not moved to the injected clock yet (this list only shrinks)."""
-
 
 def _is_realtime_mark(node: ast.expr) -> bool:
     """Whether `node` is ``pytest.mark.realtime`` (or ``mark.realtime``, called or not)."""
@@ -139,7 +130,7 @@ def test_no_test_sleeps_outside_the_realtime_tests_and_the_listed_helpers() -> N
     found = []
     for path in sorted(TESTS.rglob("*.py")):
         name = path.relative_to(TESTS).as_posix()
-        if name in ALLOWED or name in PENDING:
+        if name in ALLOWED:
             continue
         found += [f"tests/{name}:{line}" for line in sleeps_outside_realtime(path.read_text())]
     assert found == [], (
@@ -148,12 +139,11 @@ def test_no_test_sleeps_outside_the_realtime_tests_and_the_listed_helpers() -> N
     )
 
 
-def test_each_allowed_or_pending_file_exists_and_still_sleeps() -> None:
-    assert all(ALLOWED.values())
-    for name in [*ALLOWED, *PENDING]:
+def test_each_allowed_helper_exists_and_still_sleeps() -> None:
+    for name, reason in ALLOWED.items():
         path = TESTS / name
-        assert path.is_file(), name
-        assert sleeps_outside_realtime(path.read_text()), f"{name} sleeps no more: take it off its list"
+        assert path.is_file() and reason, name
+        assert sleeps_outside_realtime(path.read_text()), f"{name} sleeps no more: take it off ALLOWED"
 
 
 SNIPPET = """\
