@@ -81,6 +81,16 @@ def store_class(hangs: Hangs) -> type[FakeMooncakeStore]:
             hangs.enter("batch_upsert_from")
             return super().batch_upsert_from(keys, buffer_ptrs, sizes, *rest)
 
+        def batch_put_from_multi_buffers(
+            self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]], *rest: Any
+        ) -> list[int]:
+            hangs.enter("batch_put_from_multi_buffers")
+            return super().batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, *rest)
+
+        def batch_put_session_start(self, keys: list[str], sizes: list[int], *rest: Any) -> list[int]:
+            hangs.enter("batch_put_session_start")
+            return super().batch_put_session_start(keys, sizes, *rest)
+
     return HangingStore
 
 
@@ -293,3 +303,64 @@ def test_tensors_reused_after_an_insert_timed_out_are_never_stored(
         assert served[0] is not None, "the late first flush landed"
         for got, want in zip(served, originals, strict=True):
             assert got is None or torch.equal(got, want)  # never the reused buffers' -1s
+
+
+def a_paged_cache(master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs) -> MooncakeCache:
+    """A cache in trusted-network mode: entries go to and from registered memory directly."""
+    config = MooncakeConfig(
+        master_server_address=master.address,
+        global_segment_size=0,
+        local_buffer_size=8 * MiB,
+        timeout=TIMEOUT,
+        retry_after=RETRY_AFTER,
+        trusted_network=True,
+    )
+    return MooncakeCache(config, keyring=None, store_class=store_class(hangs), clock=clock)
+
+
+def test_a_hung_paged_read_and_write_are_misses_at_their_give_up_time(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    src = torch.randn(64, 64).to(torch.bfloat16)
+    with a_paged_cache(master, clock, hangs) as c:
+        c.register_memory(src)
+        assert c.insert_from([key(20)], [[src[:8]]]) == [True]
+        hangs.hang("batch_get_into")
+        dst = torch.zeros(8, 64, dtype=torch.bfloat16)
+        before = clock()
+        assert c.read_into([key(20)], [dst]) == [False]
+        assert clock() - before == HUNG_FOR and not dst.any(), "cut off by the clock, nothing written"
+        hangs.release()
+        assert wait_until(lambda: c.health().busy_lanes == 0, 10)
+        clock.advance(RETRY_AFTER)
+        hangs.hang("batch_put_from_multi_buffers")
+        before = clock()
+        assert c.insert_from([key(21)], [[src[8:16]]]) == [False]
+        assert clock() - before == HUNG_FOR
+        assert c.stats().errors == 2
+        hangs.release()
+        assert wait_until(lambda: c.health().busy_lanes == 0, 10)
+        clock.advance(RETRY_AFTER)
+        assert c.read_into([key(20)], [dst]) == [True] and torch.equal(dst, src[:8])
+
+
+def test_an_add_to_a_master_that_hangs_fails_at_its_give_up_time(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    from mmkey.cache.mooncake import Added
+
+    src = torch.randn(16, 64).to(torch.bfloat16)
+    with a_paged_cache(master, clock, hangs) as c:
+        c.register_memory(src)
+        hangs.hang("batch_put_session_start")
+        before = clock()
+        assert c.add_from([key(22)], [src[:8]]) == [Added.FAILED]
+        assert clock() - before == HUNG_FOR
+        hangs.release()
+        assert wait_until(lambda: c.health().busy_lanes == 0, 10)
+        clock.advance(RETRY_AFTER)
+        # the late start is settled on the lane (no reservation is left behind): added now or before
+        assert c.add_from([key(22)], [src[:8]]) in ([Added.STORED], [Added.HELD])
+        assert master.reserved() == []
+        [got] = c.get_embeddings([key(22)])
+        assert got is not None and torch.equal(got, src[:8])
