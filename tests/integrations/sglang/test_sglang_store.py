@@ -657,6 +657,7 @@ def every_call(
     ]
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize("fault", ["hung", "dead"])
 def test_every_call_returns_false_within_the_deadline_when_the_master_fails(
     fault: str, mooncake_master: MasterProcess, make_store: Callable[..., MMKeyEmbeddingStore]
