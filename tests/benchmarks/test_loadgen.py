@@ -64,16 +64,19 @@ def test_the_client_only_speaks_to_loopback() -> None:
 
 def test_the_client_times_a_chunked_stream_and_replay_bounds_clients() -> None:
     in_flight, most = 0, 0
+    paired = asyncio.Event()  # two streams were open at once: the first ones end no sooner
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal in_flight, most
         in_flight += 1
         most = max(most, in_flight)
+        if in_flight == 2:
+            paired.set()
         while (await reader.readline()) not in (b"\r\n", b""):
             pass
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(paired.wait(), 10.0)
         writer.write(b"6\r\n world\r\n0\r\n\r\n")
         await writer.drain()
         writer.close()

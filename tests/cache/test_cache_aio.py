@@ -161,6 +161,13 @@ async def in_thread(wait: Callable[[], bool]) -> None:
     assert await asyncio.to_thread(wait)
 
 
+async def let_the_loop_run(rounds: int = 20) -> None:
+    """Yield to the event loop `rounds` times: a task that can go on (a cancellation it
+    handles, a call it submits) has gone on by then, with no time passing."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
 def test_a_cancelled_insert_returns_once_its_worker_stopped_reading() -> None:
     async def main(pool: ThreadPoolExecutor) -> HeldInserts:
         inner = HeldInserts()
@@ -169,10 +176,10 @@ def test_a_cancelled_insert_returns_once_its_worker_stopped_reading() -> None:
         task = asyncio.create_task(cache.insert_batch([key(1)], [buffer]))
         await in_thread(lambda: inner.entered.wait(timeout=60))
         task.cancel()
-        await asyncio.sleep(0.05)
+        await let_the_loop_run()
         assert not task.done(), "the worker has not read the buffer yet: the call must wait"
         task.cancel()  # a second cancellation does not cut the wait short either
-        await asyncio.sleep(0.05)
+        await let_the_loop_run()
         assert not task.done()
         inner.release.set()
         with pytest.raises(asyncio.CancelledError):
@@ -193,7 +200,7 @@ def test_an_insert_cancelled_before_its_worker_started_never_runs() -> None:
         buffer = torch.full((16,), 1.0)
         cache = AsyncCache(inner, executor=pool)
         task = asyncio.create_task(cache.insert_batch([key(1)], [buffer]))
-        await asyncio.sleep(0.05)
+        await let_the_loop_run()  # the call is queued behind the busy worker
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task  # at once: nothing to wait for

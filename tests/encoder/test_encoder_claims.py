@@ -23,6 +23,7 @@ from mmkey.cache.tiered import TieredCache
 from mmkey.encoder import aencode_with_cache_report, encode_with_cache_report
 from mmkey.metrics import MeteredCache
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
+from tests._support import wait_until
 
 NS = "claims-model"
 MiB = 1 << 20
@@ -190,7 +191,11 @@ def test_two_async_servers_on_two_clients_encode_each_item_once() -> None:
 
     async def encode(fs: list[torch.Tensor], grid: object) -> list[torch.Tensor]:
         encoded.extend(int(f[0, 0].item()) for f in fs)
-        await asyncio.sleep(0.05)  # the other server claims meanwhile, and finds the keys held
+        # until the other server claimed too (and found the keys held): no entry lands before
+        claimed = await asyncio.to_thread(
+            wait_until, lambda: master.calls["batch_put_session_start"] >= 2, 10.0
+        )
+        assert claimed, "the other server never claimed"
         return model(fs, grid)
 
     with FakeMooncakeMaster() as master:

@@ -25,7 +25,7 @@ from mmkey.testing.fleet import (
     running_fleet,
 )
 from mmkey.testing.pytest_plugin import _require_fleet
-from tests._support import raw_client
+from tests._support import raw_client, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -269,10 +269,7 @@ def test_namespaced_fleet_partition_and_heal(mooncake_fleet_netns: Fleet) -> Non
         assert store.get(h1_key) == h1_key.encode() * 10
         h0.heal()
         assert not _flag(h0, "partitioned")
-        deadline = time.monotonic() + 10
-        while not _reachable(h0) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _reachable(h0)
+        assert wait_until(lambda: _reachable(h0), 10, poll=0.1)
         h0_key = next(k for k, h in located.items() if h is h0)
         assert store.get(h0_key) == h0_key.encode() * 10
 
@@ -385,10 +382,7 @@ def test_sigterm_of_the_holder_is_graceful(mooncake_fleet: Fleet) -> None:
     holder = mooncake_fleet.holders[1]
     pid = holder.pid
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while holder.is_running() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not holder.is_running()
+    assert wait_until(lambda: not holder.is_running(), 10, poll=0.05)
 
 
 def test_two_namespaced_fleets_side_by_side(fleet_runs_here: None) -> None:

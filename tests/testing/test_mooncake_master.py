@@ -17,6 +17,7 @@ from mmkey.cache.mooncake._net import parse_host_port, port_accepts
 from mmkey.testing import mooncake_master as mm
 from mmkey.testing.mooncake_master import MasterProcess, MasterStartError, running_master
 from mmkey.testing.pytest_plugin import _require_fleet, _require_master
+from tests._support import wait_until
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -65,12 +66,7 @@ def master_runs_here() -> None:
 
 
 def _wait_ready(master: MasterProcess, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if master.is_ready(timeout=0.5):
-            return True
-        time.sleep(0.02)
-    return False
+    return wait_until(lambda: master.is_ready(timeout=0.5), seconds)
 
 
 # -- mmkey.cache.mooncake._net -----------------------------------------------------------------------------

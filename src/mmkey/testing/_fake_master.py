@@ -8,10 +8,12 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import attrs
+
+from mmkey._deadline import MONOTONIC
 
 if TYPE_CHECKING:
     import mooncake.store
@@ -172,7 +174,9 @@ class FakeMooncakeMaster:
     ``lease_s`` is how long a read or lookup keeps an object from a plain `remove`
     (Mooncake's default lease: 10 s); ``put_start_discard_timeout_s`` how long a put session's
     reservation holds its key against a new start (Mooncake's ``put_start_discard_timeout_sec``,
-    30 s by default).
+    30 s by default). Both are told by ``clock`` (monotonic seconds; a test passes a clock it
+    advances, so that a lease or a reservation runs out without a sleep); the delays of `delay`
+    are real sleeps.
     """
 
     def __init__(
@@ -181,8 +185,10 @@ class FakeMooncakeMaster:
         *,
         lease_s: float = 10.0,
         put_start_discard_timeout_s: float = 30.0,
+        clock: Callable[[], float] = MONOTONIC,
     ) -> None:
         self._lock = threading.RLock()
+        self.clock = clock
         self.lease_s = lease_s
         self.put_start_discard_timeout_s = put_start_discard_timeout_s
         self._objects: dict[str, _Object] = {}
@@ -398,7 +404,7 @@ class FakeMooncakeMaster:
         """``key``'s open put session, after discarding one older than the discard timeout."""
         reservation = self._reserved.get(key)
         if reservation is not None and (
-            time.monotonic() - reservation.started >= self.put_start_discard_timeout_s
+            self.clock() - reservation.started >= self.put_start_discard_timeout_s
         ):
             del self._reserved[key]
             return None
@@ -435,7 +441,7 @@ class FakeMooncakeMaster:
             chosen = self._place(size, writer, replicas)
             if not chosen:
                 return NO_AVAILABLE_HANDLE
-            self._reserved[key] = _Reservation(token, size, chosen, time.monotonic())
+            self._reserved[key] = _Reservation(token, size, chosen, self.clock())
             return list(chosen)
 
     def _settle(self, key: str, token: object, value: bytes | None) -> int:
@@ -469,7 +475,7 @@ class FakeMooncakeMaster:
             obj = self._objects.get(key)
             if obj is None:
                 return NOT_FOUND
-            obj.lease_until = time.monotonic() + self.lease_s
+            obj.lease_until = self.clock() + self.lease_s
             holder = obj.holders[0]
             value = obj.value
             unreachable = holder in self._unreachable
@@ -482,7 +488,7 @@ class FakeMooncakeMaster:
         with self._lock:
             obj = self._objects.get(key)
             if obj is not None:
-                obj.lease_until = time.monotonic() + self.lease_s
+                obj.lease_until = self.clock() + self.lease_s
             return obj
 
     def _remove(self, key: str, force: bool) -> int:
@@ -490,7 +496,7 @@ class FakeMooncakeMaster:
             obj = self._objects.get(key)
             if obj is None:
                 return self._missing(key)
-            if not force and obj.lease_until > time.monotonic():
+            if not force and obj.lease_until > self.clock():
                 return HAS_LEASE
             del self._objects[key]
             return OK

@@ -28,7 +28,9 @@ and ends it (readable) or revokes it; meanwhile the key is absent to reads, a pl
 answers 0 and writes nothing, and every other start answers `OBJECT_ALREADY_EXISTS`. A client
 that closes keeps its reservations on the master until ``put_start_discard_timeout_s`` has
 passed (the master's ``put_start_discard_timeout_sec``), when the next start of the key
-discards them; `FakeMooncakeMaster.reserved` lists the keys reserved. Bytes a session leaves
+discards them; `FakeMooncakeMaster.reserved` lists the keys reserved. That timeout and the
+leases are told by the master's ``clock`` (``FakeMooncakeMaster(clock=...)``, by default the
+wall's monotonic clock), so a test can let them run out without sleeping. Bytes a session leaves
 unwritten read as `UNWRITTEN_BYTE` once it ends (the real segment leaves whatever its memory
 held: zeros when fresh, a freed value's bytes when reused).
 

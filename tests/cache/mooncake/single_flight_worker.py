@@ -55,6 +55,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         with log.open("a") as f:
             for feature in features:
                 f.write(f"{spec['name']} {int(feature[0, 0].item())}\n")
+        # a real encoder's time, in a process of its own, while others wait on this claim
+        # (allowed in tests/project/test_no_sleeps.py)
         time.sleep(sleep_s * len(features))
         return [reference(feature) for feature in features]
 

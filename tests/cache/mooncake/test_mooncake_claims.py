@@ -25,6 +25,7 @@ from mmkey.errors import InvalidKey
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
 from mmkey.testing.mooncake_master import MasterProcess, running_master
 from mmkey.testing.pytest_plugin import _require_master
+from tests._clock import FakeClock
 from tests._support import MiB, wait_until
 
 WAIT = 0.3
@@ -120,19 +121,29 @@ def test_of_two_clients_one_wins_and_the_other_waits_for_the_entry(make: Any) ->
     assert wait_until(lambda: b.claim(keys[2:]) == [Claim.WON], 5.0)
 
 
-def test_callers_of_one_cache_coalesce_and_a_release_wakes_them(make: Any) -> None:
+def test_callers_of_one_cache_coalesce_and_a_release_wakes_them(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a = make(claim_wait=5.0)
     [k] = fresh(1)
     assert a.claim([k]) == [Claim.WON]
     assert a.claim([k]) == [Claim.HELD]  # another caller of this cache: no store call needed
     got: list[torch.Tensor | None] = []
+    pausing = threading.Event()
+    pause = a._claims._pause
+
+    def noted_pause(seconds: float) -> None:
+        pausing.set()
+        pause(seconds)
+
+    monkeypatch.setattr(a._claims, "_pause", noted_pause)
 
     def waiter() -> None:
         got.extend(a.wait_for_embeddings([k]))
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    time.sleep(0.05)
+    assert pausing.wait(5.0)  # the waiter looked once, found nothing, and waits
     a.insert_batch([k], [torch.ones(4)])
     started = time.monotonic()
     a.release([k])
@@ -196,19 +207,21 @@ def test_a_lease_key_written_as_an_object_is_unclaimed_at_once(make: Any) -> Non
     assert a.claim([k]) == [Claim.UNCLAIMED]
 
 
-def test_a_master_fault_is_unclaimed_never_a_wait() -> None:
+def test_a_master_fault_is_unclaimed_never_a_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
     with FakeMooncakeMaster() as master:
         config = MooncakeConfig(
             master_server_address=master.address, global_segment_size=0, local_buffer_size=4 * MiB
         )
-        with MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore) as cache:
+        with MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore, clock=clock) as cache:
+            monkeypatch.setattr(cache._claims, "_pause", clock.advance)  # a wait would move the clock
             keys = fresh(2)
             master.fail_next("batch_put_session_start", code=-900)
             assert cache.claim(keys) == [Claim.UNCLAIMED] * 2
             master.kill()
-            start = time.monotonic()
+            start = clock()
             assert cache.wait_for_embeddings(keys) == [None, None]
-            assert time.monotonic() - start < 1.0
+            assert clock() == start, "no wait on a failing master"
             assert cache.stats().waits_timed_out == 2
 
 
@@ -244,7 +257,8 @@ def test_a_wait_backs_off_and_never_passes_its_bound() -> None:
 
 
 def test_a_dead_claimants_lease_is_claimable_again_once_the_master_discards_it() -> None:
-    with FakeMooncakeMaster(put_start_discard_timeout_s=0.5) as master:
+    clock = FakeClock()  # the master's: its discard time passes when the test says so
+    with FakeMooncakeMaster(put_start_discard_timeout_s=30.0, clock=clock) as master:
 
         def cache(segment: int = 16 * MiB) -> MooncakeCache:
             config = MooncakeConfig(
@@ -263,8 +277,11 @@ def test_a_dead_claimants_lease_is_claimable_again_once_the_master_discards_it()
             assert lease_key(k.to_key()) in master.reserved()
             assert other.claim([k]) == [Claim.HELD]
             assert other.wait_for_embeddings([k]) == [None]  # the bound, then the caller encodes
+            clock.advance(29.5)
+            assert other.claim([k]) == [Claim.HELD], "still within the discard time"
             # the master discards the dead one's lease after its discard time: then it is won
-            assert wait_until(lambda: other.claim([k]) == [Claim.WON], 5.0)
+            clock.advance(0.5)
+            assert other.claim([k]) == [Claim.WON]
             other.release([k])
             assert wait_until(lambda: lease_key(k.to_key()) not in master.reserved(), 5.0)
             assert holder.claim([k]) == [Claim.WON]

@@ -81,6 +81,16 @@ def store_class(hangs: Hangs) -> type[FakeMooncakeStore]:
             hangs.enter("batch_upsert_from")
             return super().batch_upsert_from(keys, buffer_ptrs, sizes, *rest)
 
+        def batch_put_from_multi_buffers(
+            self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]], *rest: Any
+        ) -> list[int]:
+            hangs.enter("batch_put_from_multi_buffers")
+            return super().batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, *rest)
+
+        def batch_put_session_start(self, keys: list[str], sizes: list[int], *rest: Any) -> list[int]:
+            hangs.enter("batch_put_session_start")
+            return super().batch_put_session_start(keys, sizes, *rest)
+
     return HangingStore
 
 
@@ -219,3 +229,138 @@ def test_a_hung_write_is_false_at_its_give_up_time_and_the_breaker_waits_by_the_
     clock.advance(1.0)
     assert cache.insert_batch([key(5)], [torch.ones(4)]) == [True]
     assert not cache.health().breaker_open
+
+
+def test_a_reconnect_waits_at_most_the_call_timeout_not_the_setup_timeout(
+    master: FakeMooncakeMaster, clock: FakeClock, holder: FakeMooncakeStore
+) -> None:
+    # the master is down at construction, then answers its port but sets clients up slowly
+    # (as a hung master does): a lookup still answers at its own give-up time, not at
+    # `setup_timeout`'s; the slow setup finishes on the metadata lane and the cache recovers
+    setup_s = TIMEOUT + 0.5  # past the call's timeout, within the setup timeout
+    entered, gate = threading.Event(), threading.Event()
+
+    class SlowSetup(FakeMooncakeStore):
+        def setup(self, *args: Any, **kwargs: Any) -> int:
+            if not entered.is_set():
+                entered.set()
+                clock.advance(setup_s)
+                assert gate.wait(30), "the test never let the slow setup go"
+            return super().setup(*args, **kwargs)
+
+    master.kill()
+    config = MooncakeConfig(
+        master_server_address=master.address,
+        global_segment_size=0,
+        local_buffer_size=8 * MiB,
+        timeout=TIMEOUT,
+        setup_timeout=2 * setup_s,
+        retry_after=RETRY_AFTER,
+    )
+    with MooncakeCache(config, keyring=None, store_class=SlowSetup, clock=clock) as c:
+        try:
+            assert not c.is_connected() and not entered.is_set()
+            master.restart()
+            clock.advance(RETRY_AFTER)  # past retry_after: the next call sets the store up
+            before = clock()
+            assert c.get_embeddings([key(6)]) == [None]  # cut off at its timeout, by the clock
+            assert entered.is_set() and clock() - before == setup_s
+        finally:
+            gate.set()
+        assert wait_until(lambda: not c._transport._meta.is_busy(), 10)  # the setup finished
+        clock.advance(RETRY_AFTER)
+        assert c.insert_batch([key(6)], [torch.ones(2)]) == [True]
+        assert c.is_connected()
+
+
+def test_tensors_reused_after_an_insert_timed_out_are_never_stored(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    # the first staging flush outlives the timeout: insert_batch returns and the caller
+    # reuses its tensors; the worker must not encode the rest of the batch from them
+    config = MooncakeConfig(
+        master_server_address=master.address,
+        global_segment_size=0,
+        local_buffer_size=4 * MiB,
+        timeout=TIMEOUT,
+        retry_after=RETRY_AFTER,
+    )
+    with MooncakeCache(config, keyring=None, store_class=store_class(hangs), clock=clock) as c:
+        keys = [key(7 + i) for i in range(6)]
+        tensors = [torch.full((MiB // 4,), float(i)) for i in range(6)]  # 1 MiB each
+        originals = [t.clone() for t in tensors]
+        hangs.hang("batch_upsert_from")
+        assert c.insert_batch(keys, tensors) == [False] * 6
+        assert hangs.entered["batch_upsert_from"].is_set()
+        for t in tensors:
+            t.fill_(-1.0)  # the caller's buffers, reused
+        hangs.release()  # the first flush lands late
+        assert wait_until(lambda: c.health().busy_lanes == 0, 10)
+        assert wait_until(lambda: master.keys() != [], 10)
+        clock.advance(RETRY_AFTER)  # the breaker the timeout opened lets calls through again
+        assert c.batch_is_exist(keys[:1]) == [True]
+        served = c.get_embeddings(keys)
+        assert served[0] is not None, "the late first flush landed"
+        for got, want in zip(served, originals, strict=True):
+            assert got is None or torch.equal(got, want)  # never the reused buffers' -1s
+
+
+def a_paged_cache(master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs) -> MooncakeCache:
+    """A cache in trusted-network mode: entries go to and from registered memory directly."""
+    config = MooncakeConfig(
+        master_server_address=master.address,
+        global_segment_size=0,
+        local_buffer_size=8 * MiB,
+        timeout=TIMEOUT,
+        retry_after=RETRY_AFTER,
+        trusted_network=True,
+    )
+    return MooncakeCache(config, keyring=None, store_class=store_class(hangs), clock=clock)
+
+
+def test_a_hung_paged_read_and_write_are_misses_at_their_give_up_time(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    src = torch.randn(64, 64).to(torch.bfloat16)
+    with a_paged_cache(master, clock, hangs) as c:
+        c.register_memory(src)
+        assert c.insert_from([key(20)], [[src[:8]]]) == [True]
+        hangs.hang("batch_get_into")
+        dst = torch.zeros(8, 64, dtype=torch.bfloat16)
+        before = clock()
+        assert c.read_into([key(20)], [dst]) == [False]
+        assert clock() - before == HUNG_FOR and not dst.any(), "cut off by the clock, nothing written"
+        hangs.release()
+        assert wait_until(lambda: c.health().busy_lanes == 0, 10)
+        clock.advance(RETRY_AFTER)
+        hangs.hang("batch_put_from_multi_buffers")
+        before = clock()
+        assert c.insert_from([key(21)], [[src[8:16]]]) == [False]
+        assert clock() - before == HUNG_FOR
+        assert c.stats().errors == 2
+        hangs.release()
+        assert wait_until(lambda: c.health().busy_lanes == 0, 10)
+        clock.advance(RETRY_AFTER)
+        assert c.read_into([key(20)], [dst]) == [True] and torch.equal(dst, src[:8])
+
+
+def test_an_add_to_a_master_that_hangs_fails_at_its_give_up_time(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    from mmkey.cache.mooncake import Added
+
+    src = torch.randn(16, 64).to(torch.bfloat16)
+    with a_paged_cache(master, clock, hangs) as c:
+        c.register_memory(src)
+        hangs.hang("batch_put_session_start")
+        before = clock()
+        assert c.add_from([key(22)], [src[:8]]) == [Added.FAILED]
+        assert clock() - before == HUNG_FOR
+        hangs.release()
+        assert wait_until(lambda: c.health().busy_lanes == 0, 10)
+        clock.advance(RETRY_AFTER)
+        # the late start is settled on the lane (no reservation is left behind): added now or before
+        assert c.add_from([key(22)], [src[:8]]) in ([Added.STORED], [Added.HELD])
+        assert master.reserved() == []
+        [got] = c.get_embeddings([key(22)])
+        assert got is not None and torch.equal(got, src[:8])

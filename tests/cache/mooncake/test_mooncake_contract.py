@@ -71,6 +71,8 @@ from hypothesis import strategies as st
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore, FakeReplicateConfig
 from mmkey.testing.mooncake_master import master_unavailable_reason
 from mmkey.testing.pytest_plugin import REQUIRE_ENV
+from tests._clock import FakeClock
+from tests._support import wait_until
 
 if TYPE_CHECKING:
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -392,12 +394,8 @@ def test_master_restart_loses_keys_and_client_recovers(binding: Binding, fresh_m
         assert s.put("survivor", b"v") == OK
         fresh_master.kill()
         fresh_master.restart()
-        deadline = time.monotonic() + 20.0
-        rc = s.put("after-restart", b"w")
-        while rc != OK and time.monotonic() < deadline:
-            time.sleep(0.2)
-            rc = s.put("after-restart", b"w")
-        assert rc == OK  # the client re-joined the restarted master on its own
+        # the client re-joined the restarted master on its own
+        assert wait_until(lambda: s.put("after-restart", b"w") == OK, 20.0, poll=0.2)
         assert s.get("after-restart") == b"w"
         assert s.get("survivor") == b""  # a restarted master has lost every key
     finally:
@@ -876,7 +874,8 @@ def test_put_session_keyword_names_of_the_stub(
 def test_fake_master_discards_a_stale_put_session() -> None:
     """The fake's model of ``put_start_discard_timeout_sec`` (too slow to test on the real one):
     a reservation older than it gives way to the next start of its key."""
-    with FakeMooncakeMaster(put_start_discard_timeout_s=0.05) as master:
+    clock = FakeClock()
+    with FakeMooncakeMaster(put_start_discard_timeout_s=30.0, clock=clock) as master:
         clients = [FakeMooncakeStore(), FakeMooncakeStore()]
         for c in clients:
             assert c.setup("127.0.0.1", "P2PHANDSHAKE", MiB, MiB, "tcp", "", master.address) == OK
@@ -884,7 +883,9 @@ def test_fake_master_discards_a_stale_put_session() -> None:
         assert first.batch_put_session_start(["k"], [8]) == [OK]
         assert master.reserved() == ["k"]
         assert second.batch_put_session_start(["k"], [8]) == [OBJECT_ALREADY_EXISTS]
-        time.sleep(0.1)
+        clock.advance(29.5)
+        assert second.batch_put_session_start(["k"], [8]) == [OBJECT_ALREADY_EXISTS]
+        clock.advance(0.5)
         assert second.batch_put_session_start(["k"], [8]) == [OK]
         assert first.batch_put_session_end(["k"]) == [ILLEGAL_CLIENT]  # no longer its session
         assert second.batch_put_session_end(["k"]) == [OK]
@@ -892,3 +893,21 @@ def test_fake_master_discards_a_stale_put_session() -> None:
         assert master.keys() == ["k"]
         for c in clients:
             assert c.close() == OK
+
+
+def test_fake_master_leases_run_out_by_its_clock() -> None:
+    """A read's lease (``lease_s``) keeps its object from a plain remove until the master's
+    clock passes it."""
+    clock = FakeClock()
+    with FakeMooncakeMaster(lease_s=10.0, clock=clock) as master:
+        store = FakeMooncakeStore()
+        assert store.setup("127.0.0.1", "P2PHANDSHAKE", MiB, MiB, "tcp", "", master.address) == OK
+        try:
+            assert store.put("leased", b"v") == OK
+            assert store.get("leased") == b"v"
+            clock.advance(9.5)
+            assert store.remove("leased") == HAS_LEASE
+            clock.advance(0.5)
+            assert store.remove("leased") == OK
+        finally:
+            assert store.close() == OK

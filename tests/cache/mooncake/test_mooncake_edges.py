@@ -5,7 +5,9 @@ repeated keys, foreign faults as misses, and calls that race `close`.
 
 A thread ticking every few milliseconds measures freezes: Mooncake's setup() and close()
 hold the GIL, so while one of them waits on a hung master no Python thread runs.
-``faulthandler.dump_traceback_later`` turns a freeze that never ends into a failure.
+``faulthandler.dump_traceback_later`` turns a freeze that never ends into a failure. The two
+tests that let real time pass are marked `realtime`; the read under a slow store runs on the
+fake store, timed by a fake clock each store call advances.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeCon
 from mmkey.cache.mooncake._net import master_answers
 from mmkey.cache.mooncake._staging import MIN_SLOT, ReadSlots
 from mmkey.cache.mooncake._transport import close_abandoned
+from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
 from mmkey.testing.mooncake_master import MasterProcess
+from tests._clock import FakeClock
 from tests._support import ROOMY_TIMEOUT, local_config, timed, wait_until
 
 pytestmark = pytest.mark.mooncake
@@ -143,6 +147,7 @@ def test_construction_against_a_paused_master_never_freezes_the_process(
         mooncake_master.resume()
 
 
+@pytest.mark.realtime
 def test_reconnecting_to_a_master_that_came_back_hung_never_freezes_the_process(
     mooncake_master: MasterProcess, ticker: Ticker
 ) -> None:
@@ -153,7 +158,7 @@ def test_reconnecting_to_a_master_that_came_back_hung_never_freezes_the_process(
         mooncake_master.pause()
         ticker.reset()
         for _ in range(5):
-            time.sleep(0.15)  # past retry_after: every call tries to re-connect
+            time.sleep(0.15)  # past retry_after (real time): every call tries to re-connect
             got, took = timed(lambda: cache.get_embeddings([key(2)]))
             assert got == [None] and took < TIMEOUT + SLACK
         assert ticker.longest < TIMEOUT + SLACK
@@ -166,6 +171,7 @@ def test_reconnecting_to_a_master_that_came_back_hung_never_freezes_the_process(
         cache.close()
 
 
+@pytest.mark.realtime
 def test_close_with_a_paused_master_returns_within_the_timeout_without_freezing(
     mooncake_master: MasterProcess, ticker: Ticker
 ) -> None:
@@ -259,8 +265,9 @@ print(f"closed {{time.monotonic() - start:.3f}}", flush=True)
 # -- waits release what they hold --------------------------------------------------------
 
 
-def slow_store(monkeypatch: pytest.MonkeyPatch, seconds: float, methods: tuple[str, ...]) -> dict[str, int]:
-    """Make every new store's `methods` sleep first; returns per-method call counts."""
+def counted_store(monkeypatch: pytest.MonkeyPatch, methods: tuple[str, ...]) -> dict[str, int]:
+    """Count every new store's calls of `methods` (per method); while `store_gate` holds an
+    event, each call waits for it first (a store that hangs until the test lets it go)."""
     import mooncake.store
 
     calls: dict[str, int] = {}
@@ -269,32 +276,33 @@ def slow_store(monkeypatch: pytest.MonkeyPatch, seconds: float, methods: tuple[s
     def wrap(name: str) -> Callable[..., Any]:
         original = getattr(base, name)
 
-        def slow(self: Any, *args: Any) -> Any:
+        def counted(self: Any, *args: Any) -> Any:
             calls[name] = calls.get(name, 0) + 1
-            if slow_store_delay[0]:
-                time.sleep(slow_store_delay[0])
+            gate = store_gate[0]
+            if gate is not None:
+                assert gate.wait(30), "the test never let a held store call go"
             return original(self, *args)
 
-        return slow
+        return counted
 
-    slow_store_delay[0] = seconds
-    subclass = type("SlowStore", (base,), {name: wrap(name) for name in methods})
+    subclass = type("CountedStore", (base,), {name: wrap(name) for name in methods})
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", subclass)
     return calls
 
 
-slow_store_delay = [0.0]
+store_gate: list[threading.Event | None] = [None]
 
 
 def test_keyboard_interrupt_during_a_read_leaves_the_cache_usable(
     monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
 ) -> None:
-    slow_store(monkeypatch, 0.0, ("batch_get_into",))
+    counted_store(monkeypatch, ("batch_get_into",))
+    gate = threading.Event()
     with MooncakeCache(config(mooncake_master_session)) as cache:
         keys = [key(100 + i) for i in range(4)]
         values = [torch.full((100,), float(i)) for i in range(4)]
         assert cache.insert_batch(keys, values) == [True] * 4
-        slow_store_delay[0] = 0.5
+        store_gate[0] = gate  # the read's transfer waits until the interrupt came
 
         def interrupt(signum: int, frame: object) -> None:
             raise KeyboardInterrupt
@@ -307,7 +315,8 @@ def test_keyboard_interrupt_during_a_read_leaves_the_cache_usable(
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-        slow_store_delay[0] = 0.0
+            store_gate[0] = None
+            gate.set()
         for got, want in zip(cache.get_embeddings(keys), values, strict=True):
             assert got is not None and torch.equal(got, want)
         assert cache.insert_batch([key(104)], [torch.ones(2)]) == [True]
@@ -395,31 +404,51 @@ def test_calls_racing_close_return_at_once(mooncake_master: MasterProcess, ticke
 # -- one timeout per call, slots that adapt ---------------------------------------------
 
 
-def test_a_large_read_under_a_slow_store_is_bounded_by_one_timeout(
-    monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
-) -> None:
-    calls = slow_store(monkeypatch, 0.0, ("batch_get_into", "get_size", "get_into"))
-    writer = MooncakeCache(config(mooncake_master_session, timeout=30.0))
-    with (
-        writer,
-        MooncakeCache(
-            config(mooncake_master_session, local_buffer_size=1 * MiB, global_segment_size=0, timeout=TIMEOUT)
-        ) as cache,
-    ):
-        keys = [key(400 + i) for i in range(80)]  # 64 KiB each, 4 keys a transfer: 20 transfers
-        assert writer.insert_batch(keys, [torch.randn(16 * 1024) for _ in keys]) == [True] * 80
-        slow_store_delay[0] = 0.1  # every store call 0.1 s, under a 0.3 s timeout
-        got, took = timed(lambda: cache.get_embeddings(keys))
-        assert took < TIMEOUT + SLACK  # 20 transfers of 0.1 s each took 2 s before
-        assert isinstance(got, list) and got.count(None) > 0
-        slow_store_delay[0] = 0.0
-        assert calls["batch_get_into"] <= 5
+def test_a_large_read_under_a_slow_store_is_bounded_by_one_timeout() -> None:
+    # on the fake store, every store call of the reader takes 0.1 s of its clock, under a
+    # 0.3 s timeout: the read gives up at its one timeout (20 transfers took 2 s before)
+    clock = FakeClock()
+    calls: dict[str, int] = {}
+
+    class SlowStore(FakeMooncakeStore):
+        def _slow(self, name: str) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            clock.advance(0.1)
+
+        def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+            self._slow("batch_get_into")
+            return super().batch_get_into(keys, buffer_ptrs, sizes)
+
+        def get_size(self, key: str, /) -> int:
+            self._slow("get_size")
+            return super().get_size(key)
+
+        def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+            self._slow("get_into")
+            return super().get_into(key, buffer_ptr, size)
+
+    with FakeMooncakeMaster() as master:
+        fields = {"master_server_address": master.address, "local_buffer_size": 1 * MiB}
+        writer_config = MooncakeConfig(**fields, global_segment_size=64 * MiB, timeout=30.0)  # type: ignore[arg-type]
+        reader_config = MooncakeConfig(**fields, global_segment_size=0, timeout=TIMEOUT)  # type: ignore[arg-type]
+        with (
+            MooncakeCache(writer_config, keyring=None, store_class=FakeMooncakeStore) as writer,
+            MooncakeCache(reader_config, keyring=None, store_class=SlowStore, clock=clock) as cache,
+        ):
+            keys = [key(400 + i) for i in range(80)]  # 64 KiB each, 4 keys a transfer: 20 transfers
+            assert writer.insert_batch(keys, [torch.randn(16 * 1024) for _ in keys]) == [True] * 80
+            calls.clear()
+            start = clock()
+            got = cache.get_embeddings(keys)
+            assert clock() - start <= TIMEOUT + 0.1 + 1e-9, "one timeout, and the call running at it"
+            assert got.count(None) > 0
+            assert calls["batch_get_into"] <= 5
 
 
 def test_read_slots_adapt_down_after_one_large_entry(
     monkeypatch: pytest.MonkeyPatch, mooncake_master_session: MasterProcess
 ) -> None:
-    calls = slow_store(monkeypatch, 0.0, ("batch_get_into",))
+    calls = counted_store(monkeypatch, ("batch_get_into",))
     with MooncakeCache(config(mooncake_master_session, local_buffer_size=4 * MiB, timeout=30.0)) as cache:
         big = key(500)
         small = [key(501 + i) for i in range(64)]

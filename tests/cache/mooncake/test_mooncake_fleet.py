@@ -131,6 +131,7 @@ def split(
     return healthy, on_victim
 
 
+@pytest.mark.realtime
 def test_a_paused_holder_never_blinds_a_reader(mooncake_fleet: Fleet, store: object) -> None:
     keys = [key(i) for i in range(100)]
     writer = write(mooncake_fleet, keys)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -97,13 +96,12 @@ def test_a_renewing_squatter_is_written_over_counted_and_warned_once(
     ):
         cache.register_memory(memory)
         outcomes: list[Added] = []
-        give_up = time.monotonic() + 30
-        while time.monotonic() < give_up:
-            outcomes = cache.add_from(victims, payloads)
-            if outcomes == [Added.STORED] * VICTIMS:
-                break
-            time.sleep(RENEW_S)
-        assert outcomes == [Added.STORED] * VICTIMS  # each written over the squat
+
+        def stored() -> bool:
+            outcomes[:] = cache.add_from(victims, payloads)
+            return outcomes == [Added.STORED] * VICTIMS
+
+        assert wait_until(stored, 30, poll=RENEW_S), outcomes  # each written over the squat
         renewed = squatter.renewals
         # the squatter keeps renewing: it cannot take them back
         assert wait_until(lambda: squatter.renewals > renewed, 30 * RENEW_S)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from mmkey._deadline import Done
 from mmkey.cache.mooncake._transport import TRANSFER_LANES, StoreTransport
 from mmkey.cache.mooncake.config import MooncakeConfig
+from tests._clock import FakeClock
 
 
 class NeverSetUp:
@@ -18,9 +18,14 @@ class NeverSetUp:
 
 
 @pytest.fixture
-def transport() -> Iterator[StoreTransport]:
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def transport(clock: FakeClock) -> Iterator[StoreTransport]:
     config = MooncakeConfig(master_server_address="127.0.0.1:9", timeout=0.2)
-    t = StoreTransport(config, NeverSetUp, lambda: None, lambda: None)  # type: ignore[arg-type]
+    t = StoreTransport(config, NeverSetUp, lambda: None, lambda: None, clock)  # type: ignore[arg-type]
     yield t
     t.close()
 
@@ -37,7 +42,9 @@ def occupy(transport: StoreTransport, index: int, release: threading.Event) -> t
     return started
 
 
-def test_idle_lanes_first_then_queue_behind_a_healthy_one_then_none(transport: StoreTransport) -> None:
+def test_idle_lanes_first_then_queue_behind_a_healthy_one_then_none(
+    transport: StoreTransport, clock: FakeClock
+) -> None:
     assert TRANSFER_LANES >= 2
     release = threading.Event()
     try:
@@ -50,7 +57,8 @@ def test_idle_lanes_first_then_queue_behind_a_healthy_one_then_none(transport: S
             occupy(transport, i, release)
         busy = transport.pick_lane(set())
         assert busy is transport.lanes[0], "every lane busy but within its timeout: queue behind one"
-        time.sleep(0.3)  # past the timeout: every lane is stuck now
+        assert transport.pick_lane(set()) is transport.lanes[0], "still within the timeout, by the clock"
+        clock.advance(0.3)  # past the timeout: every lane is stuck now
         assert transport.pick_lane(set()) is None
         assert transport.busy_lanes() == TRANSFER_LANES
     finally:

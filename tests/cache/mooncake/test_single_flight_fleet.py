@@ -117,6 +117,7 @@ def test_four_processes_asked_the_same_images_at_once_encode_each_once(
     assert sum(r["coalesced"] + r["hits"] for r in results) == (WORKERS - 1) * IMAGES
 
 
+@pytest.mark.realtime
 def test_a_claimant_killed_mid_encode_costs_the_others_the_bound(
     context: Any, fleet: Fleet, tmp_path: Path
 ) -> None:

@@ -657,6 +657,7 @@ def every_call(
     ]
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize("fault", ["hung", "dead"])
 def test_every_call_returns_false_within_the_deadline_when_the_master_fails(
     fault: str, mooncake_master: MasterProcess, make_store: Callable[..., MMKeyEmbeddingStore]
@@ -764,6 +765,7 @@ def test_fleet_secret_from_the_environment_signs_and_checks_entries(
     assert not theirs.any()
 
 
+@pytest.mark.realtime
 def test_a_squatted_key_is_not_reported_stored_until_it_is_written_over(
     make_store: Callable[..., MMKeyEmbeddingStore], mooncake_master_session: MasterProcess
 ) -> None:
@@ -780,6 +782,7 @@ def test_a_squatted_key_is_not_reported_stored_until_it_is_written_over(
         assert store.batch_put_from_multi_buffers(["4242"], ptrs, sizes) == [False]
         assert store.batch_is_exist(["4242"]) == [False]
         assert (store.stats().skipped, store.stats().squatted) == (0, 0)  # not an honest skip
+        # the reservation wait, in real time (the fake clock's version is in test_mooncake_squat.py)
         time.sleep(max(first + RESERVED_WAIT_S - time.monotonic(), 0.0))
         assert store.batch_put_from_multi_buffers(["4242"], ptrs, sizes) == [True]  # written over
     assert store.stats().squatted == 1

@@ -179,6 +179,7 @@ def test_an_entry_of_another_size_or_a_corrupt_one_is_never_claimed(
             raw.close()
 
 
+@pytest.mark.realtime
 @pytest.mark.mooncake
 @pytest.mark.parametrize("fault", ["hung", "dead"])
 def test_a_hung_or_dead_master_is_a_miss_within_the_deadline_and_recovers(

@@ -341,9 +341,8 @@ def corrupt_one_entry(fleet: Fleet, namespace: str) -> bool:
         key = sorted(keys)[0]
         data = bytearray(store.get(key))
         data[-3] ^= 0x01
-        stop = time.monotonic() + 30  # a read's lease keeps an entry for a few seconds
-        while store.remove(key) != 0 and time.monotonic() < stop:
-            time.sleep(0.2)
+        # a read's lease keeps an entry for a few seconds
+        assert wait_until(lambda: store.remove(key) == 0, 30, poll=0.2)
         assert store.put(key, bytes(data)) == 0
         assert bytes(store.get(key)) == bytes(data)
         EmbeddingKey.from_key(key)  # an mmkey key, written by the connector
@@ -527,10 +526,7 @@ def master_killed_before_the_lookup(
         },
     )
     ready = Path(str(pause) + ".ready")
-    stop = time.monotonic() + ENGINE_TIMEOUT_S
-    while not ready.exists() and time.monotonic() < stop:
-        time.sleep(0.1)
-    assert ready.exists(), "the second engine never came up"
+    assert wait_until(ready.exists, ENGINE_TIMEOUT_S, poll=0.1), "the second engine never came up"
     fleet.master.kill()
     try:
         pause.write_text("go")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests._support import ROOMY_TIMEOUT, require_stack
+from tests._support import ROOMY_TIMEOUT, require_stack, wait_until
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM cannot infer a device without one
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
@@ -198,14 +198,18 @@ def request(
 def until_available(scheduler: MMKeyECConnector, req: Request, num_computed_tokens: int = 0) -> int:
     """Call `ensure_cache_available` as vLLM does, once a step, until it says yes; the number
     of calls that deferred the request (bounded: a hang fails the test)."""
-    import time
-
     deferred = 0
-    stop = time.monotonic() + BOUND + 10.0
-    while not scheduler.ensure_cache_available(req, num_computed_tokens):
+
+    def available() -> bool:
+        nonlocal deferred
+        if scheduler.ensure_cache_available(req, num_computed_tokens):
+            return True
         deferred += 1
-        assert time.monotonic() < stop, "ensure_cache_available deferred the request without end"
-        time.sleep(0.002)
+        return False
+
+    assert wait_until(available, BOUND + 10.0, poll=0.002), (
+        "ensure_cache_available deferred the request without end"
+    )
     return deferred
 
 
