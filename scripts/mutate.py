@@ -10,7 +10,9 @@ test run per mutant), so not part of ``make test``; run it by hand, e.g.::
         src/mmkey/entry/_format.py --tests tests/entry
 
 ``--every N`` samples one mutant in N, ``--start`` skips the first ones, ``--only`` tries the
-ones named by their ``#``, ``--list`` only prints the mutants. Exit status 1 when a mutant survives.
+ones named by their ``#``, ``--list`` only prints the mutants, ``--python`` runs the tests with
+another interpreter (a stack's environment, e.g. ``.venv-sglang/bin/python``; by default this
+one). Exit status 1 when a mutant survives.
 """
 
 from __future__ import annotations
@@ -123,11 +125,11 @@ def mutated(path: Path, index: int) -> str:
     return ast.unparse(ast.fix_missing_locations(changed))
 
 
-def run_tests(src: Path, tests: list[str], timeout: float) -> bool:
-    """Whether the tests pass against the source tree `src`."""
+def run_tests(src: Path, tests: list[str], timeout: float, python: str = sys.executable) -> bool:
+    """Whether the tests pass against the source tree `src`, run by the interpreter `python`."""
     env = {**os.environ, "PYTHONPATH": str(src), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTHONPYCACHEPREFIX", None)
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    command = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -144,12 +146,13 @@ def main() -> int:
     parser.add_argument("--only", type=int, nargs="+", help="try only these mutants (by #)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test run")
     parser.add_argument("--list", action="store_true", help="print the mutants and stop")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the tests")
     args = parser.parse_args()
     survivors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="mmkey-mutate-") as scratch:
         copy = Path(scratch) / "src"
         shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__"))
-        if not args.list and not run_tests(copy, args.tests, args.timeout):
+        if not args.list and not run_tests(copy, args.tests, args.timeout, args.python):
             print("the tests fail without a mutant: fix them first", file=sys.stderr)
             return 2
         for module in args.modules:
@@ -167,7 +170,7 @@ def main() -> int:
                 inside.write_text(mutated(path, index))
                 started = time.monotonic()
                 try:
-                    killed = not run_tests(copy, args.tests, args.timeout)
+                    killed = not run_tests(copy, args.tests, args.timeout, args.python)
                 finally:
                     inside.write_text(original)
                 verdict = "killed" if killed else "SURVIVED"
