@@ -34,18 +34,20 @@ def key(i: int) -> EmbeddingKey:
 
 
 class Hangs:
-    """Binding methods made to hang: the first call of each moves the clock `HUNG_FOR` s on,
-    then blocks until `release`."""
+    """Binding methods made to hang: the first call of each moves the clock `HUNG_FOR` s (or
+    the seconds `hang` was given) on, then blocks until `release`."""
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self._gates: dict[str, threading.Event] = {}
+        self._for: dict[str, float] = {}
         self.entered: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
 
-    def hang(self, method: str) -> None:
+    def hang(self, method: str, seconds: float = HUNG_FOR) -> None:
         with self._lock:
             self._gates[method] = threading.Event()
+            self._for[method] = seconds
             self.entered[method] = threading.Event()
 
     def release(self) -> None:
@@ -61,7 +63,8 @@ class Hangs:
             if gate is None or entered is None or entered.is_set():  # only its first call hangs
                 return
             entered.set()
-        self.clock.advance(HUNG_FOR)
+            seconds = self._for[method]
+        self.clock.advance(seconds)
         assert gate.wait(30), "the test never released a hung call"
 
 
@@ -364,3 +367,31 @@ def test_an_add_to_a_master_that_hangs_fails_at_its_give_up_time(
         assert master.reserved() == []
         [got] = c.get_embeddings([key(22)])
         assert got is not None and torch.equal(got, src[:8])
+
+
+def test_a_claim_waits_poll_cut_off_by_the_waits_own_bound_leaves_the_breaker_closed(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    """A lookup slower than the claim wait (a live master on a busy host) ends the wait, and
+    counts an error, but is not taken for a master fault: the next call goes to the store."""
+    config = MooncakeConfig(
+        master_server_address=master.address,
+        global_segment_size=0,
+        local_buffer_size=8 * MiB,
+        timeout=TIMEOUT,
+        retry_after=RETRY_AFTER,
+        claim_wait=0.3,
+    )
+    with MooncakeCache(config, keyring=None, store_class=store_class(hangs), clock=clock) as c:
+        put(holder, key(30), torch.ones(4))
+        assert c.batch_is_exist([key(30)]) == [True]  # set up, the breaker closed
+        hangs.hang("batch_is_exist", seconds=1.0)  # past the wait's 0.3 s, within the 2 s timeout
+        assert c.wait_for_embeddings([key(30)]) == [None]
+        stats = c.stats()
+        assert (stats.errors, stats.waits_timed_out) == (1, 1)
+        assert c.health().breaker_open is False
+        hangs.release()
+        assert wait_until(lambda: c.health().busy_lanes == 0, 10)
+        [got] = c.get_embeddings([key(30)])
+        assert got is not None and torch.equal(got, torch.ones(4)), "the store was asked, not skipped"
+        assert c.stats().skipped == 0

@@ -292,7 +292,11 @@ class StoreTransport:
         `Failed` is counted: store errors and timeouts of a call the lane had started also
         open the breaker; a call still queued behind other callers' lookups when `give_up`
         came is a skip (the master was not asked), other exceptions of `fn` are only counted.
+        A call given less than half the timeout (a claim wait's poll) that runs out is an
+        error but no fault of the master: the caller's own bound ended it, and on a busy host
+        a live master can take longer than that.
         """
+        short = give_up - self.clock() < self._config.timeout / 2
         if self._meta.is_stuck(self._config.timeout):
             self._on_skip()
             return _STUCK
@@ -305,6 +309,8 @@ class StoreTransport:
             self._on_skip()
         elif isinstance(outcome.error, StoreClosed):  # the cache closed meanwhile: not a fault
             pass
+        elif outcome.why is Why.TIMED_OUT and short:  # the caller's bound, not the master's fault
+            self._on_error()
         elif outcome.why is Why.TIMED_OUT or isinstance(outcome.error, StoreError):
             self.fail()
         elif isinstance(outcome.error, Exception):  # not a store fault (e.g. MemoryError)
