@@ -115,15 +115,21 @@ def hangs(clock: FakeClock) -> Iterator[Hangs]:
     h.release()
 
 
+def settings(master: FakeMooncakeMaster, **overrides: Any) -> MooncakeConfig:
+    """A pure client of `master` with this module's timeout and breaker wait."""
+    fields: dict[str, Any] = {
+        "master_server_address": master.address,
+        "global_segment_size": 0,
+        "local_buffer_size": 8 * MiB,
+        "timeout": TIMEOUT,
+        "retry_after": RETRY_AFTER,
+    }
+    return MooncakeConfig(**{**fields, **overrides})
+
+
 @pytest.fixture
 def cache(master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs) -> Iterator[MooncakeCache]:
-    config = MooncakeConfig(
-        master_server_address=master.address,
-        global_segment_size=0,
-        local_buffer_size=8 * MiB,
-        timeout=TIMEOUT,
-        retry_after=RETRY_AFTER,
-    )
+    config = settings(master)
     with MooncakeCache(config, keyring=None, store_class=store_class(hangs), clock=clock) as c:
         yield c
     hangs.release()
@@ -374,14 +380,7 @@ def test_a_claim_waits_poll_cut_off_by_the_waits_own_bound_leaves_the_breaker_cl
 ) -> None:
     """A lookup slower than the claim wait (a live master on a busy host) ends the wait, and
     counts an error, but is not taken for a master fault: the next call goes to the store."""
-    config = MooncakeConfig(
-        master_server_address=master.address,
-        global_segment_size=0,
-        local_buffer_size=8 * MiB,
-        timeout=TIMEOUT,
-        retry_after=RETRY_AFTER,
-        claim_wait=0.3,
-    )
+    config = settings(master, claim_wait=0.3)
     with MooncakeCache(config, keyring=None, store_class=store_class(hangs), clock=clock) as c:
         put(holder, key(30), torch.ones(4))
         assert c.batch_is_exist([key(30)]) == [True]  # set up, the breaker closed
