@@ -176,7 +176,9 @@ def image(root: Path, seed: int) -> str:
     path = root / f"image-{seed}.png"
     a, b = 7 + 2 * seed, 13 + 5 * seed
     pixels = bytes((x * a + y * b + 31 * seed) % 256 for y in range(112) for x in range(112 * 3))
-    image_module.frombytes("RGB", (112, 112), pixels).save(path)
+    written = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    image_module.frombytes("RGB", (112, 112), pixels).save(written, format="PNG")
+    os.replace(written, path)  # a server reading the path never sees a half-written file
     return str(path)
 
 
@@ -565,10 +567,11 @@ def scenario_concurrent_and_batch(run: Run) -> dict[str, Any]:
     mark_a, mark_b = a.mark(), b.mark()
     results: dict[str, Encoded] = {}
     barrier = threading.Barrier(2)
+    picture = run.images(5)  # written once, before either asks
 
     def ask(server: Server) -> None:
         barrier.wait()
-        results[server.name] = encode(server, f"same-{server.name}", [run.images(5)])
+        results[server.name] = encode(server, f"same-{server.name}", [picture])
 
     threads = [threading.Thread(target=ask, args=(s,)) for s in (a, b)]
     for t in threads:

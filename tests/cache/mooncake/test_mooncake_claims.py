@@ -19,7 +19,8 @@ import torch
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey._deadline import Done
 from mmkey.cache.mooncake import MooncakeConfig
-from mmkey.cache.mooncake._claims import LEASE_SUFFIX, POLL_MAX_S, Claims, lease_key
+from mmkey.cache.mooncake._claims import LEASE_SUFFIX, POLL_MAX_S, PROBE_EVERY_S, Claims, lease_key
+from mmkey.cache.mooncake._transport import INVALID_PARAMS
 from mmkey.cache.protocol import CacheStats, Claim, ClaimingCache
 from mmkey.errors import InvalidKey
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
@@ -122,8 +123,8 @@ def test_of_two_clients_one_wins_and_the_other_waits_for_the_entry(make: Any, wa
     took = time.monotonic() - start
     assert got[0] is not None and torch.equal(got[0], value)
     assert got[1] is not None and torch.equal(got[1], value + 1)
-    assert got[2] is None  # released unwritten: waited the bound, then encoded by the caller
-    assert wait - 0.05 <= took < wait + 1.5
+    assert got[2] is None  # released unwritten: the wait learns it (no claim stands), the caller encodes
+    assert took < wait, "a claim released unwritten ends the wait before its bound"
     assert delta(b, b_before) == {"claims_won": 0, "waits_served": 2, "waits_timed_out": 1, "coalesced": 2}
     assert delta(a, a_before)["claims_won"] == 3
     # released: the key can be claimed again (the revoke runs on the metadata lane first)
@@ -253,9 +254,12 @@ def test_a_wait_backs_off_and_never_passes_its_bound() -> None:
     with FakeMooncakeMaster() as master:
         config = MooncakeConfig(master_server_address=master.address, local_buffer_size=4 * MiB)
         with MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore) as cache:
+            texts = [k.to_key() for k in fresh(2)]
+            squatter = a_client(master)  # holds the claims and never writes
+            assert squatter.batch_put_session_start([lease_key(t) for t in texts], [8, 8]) == [0, 0]
             clock = _Clock()
             claims = Claims(cache._parts, clock=clock, pause=clock.pause)
-            landed = claims.wait([k.to_key() for k in fresh(2)], 1.0)
+            landed = claims.wait(texts, 1.0)
             assert landed == set()
             assert clock.now == pytest.approx(101.0)  # the last pause is cut to the bound
             assert clock.pauses[0] == pytest.approx(0.002)
@@ -263,6 +267,45 @@ def test_a_wait_backs_off_and_never_passes_its_bound() -> None:
             assert max(clock.pauses) <= POLL_MAX_S + 1e-9
             looks = master.calls["batch_is_exist"]
             assert 90 <= looks <= 110  # a few ms apart, backing off to 10 ms: about 100 looks a second
+            probes = master.calls["batch_put_session_start"] - 1  # less the squatter's
+            assert 1 / PROBE_EVERY_S - 2 <= probes <= 1 / PROBE_EVERY_S  # does a claim still stand?
+            assert squatter.batch_put_session_start([lease_key(texts[0])], [8]) == [INVALID_PARAMS]
+            squatter.close()
+
+
+def a_client(master: FakeMooncakeMaster) -> FakeMooncakeStore:
+    """Another client of `master` (lending no memory)."""
+    store = FakeMooncakeStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 4 * MiB, "tcp", "", master.address) == 0
+    return store
+
+
+def test_a_claim_released_unwritten_ends_the_wait_at_the_next_probe() -> None:
+    """The claimant's put failed (its holder paused, say): it releases, and its waiter stops
+    waiting by the next probe of the clock, not at the bound, and encodes."""
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(master_server_address=master.address, local_buffer_size=4 * MiB)
+        with MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore) as cache:
+            texts = [k.to_key() for k in fresh(2)]
+            leases = [lease_key(t) for t in texts]
+            claimant = a_client(master)
+            assert claimant.batch_put_session_start(leases, [8, 8]) == [0, 0]
+            clock = _Clock()
+            gives_up_at = clock.now + 0.3
+
+            def pause(seconds: float) -> None:
+                clock.pause(seconds)
+                if clock.now >= gives_up_at and master.reserved():
+                    assert claimant.upsert(texts[0], b"entry") == 0  # written, then released
+                    claimant.batch_put_session_revoke(leases)  # the other released unwritten
+
+            claims = Claims(cache._parts, clock=clock, pause=pause)
+            start = clock.now
+            landed = claims.wait(texts, 2.0)
+            assert landed == {texts[0]}, "an entry written before its release is landed, not freed"
+            assert clock.now - start <= 0.3 + PROBE_EVERY_S + POLL_MAX_S + 1e-9
+            assert master.reserved() == [], "the probe's own sessions are revoked"
+            claimant.close()
 
 
 def test_a_dead_claimants_lease_is_claimable_again_once_the_master_discards_it() -> None:

@@ -345,8 +345,9 @@ class MooncakeCache:
         """Wait at most ``claim_wait`` seconds for the entries of keys claimed elsewhere, then
         read those that landed (the normal verified read); each embedding, or None (encode it).
 
-        Counted: ``waits_served`` (landed), ``waits_timed_out`` (not landed within the bound, or
-        the store stopped answering), ``coalesced`` (read and verified: an encode saved).
+        Counted: ``waits_served`` (landed), ``waits_timed_out`` (not landed: within the bound,
+        before its claim was given up unwritten, or before the store stopped answering),
+        ``coalesced`` (read and verified: an encode saved).
         """
         texts = self._texts(keys, "wait_for_embeddings")
         wait = self._config.claim_wait

@@ -6,7 +6,10 @@ never ended. Mooncake grants a session's start to one client; every other client
 ``-705`` (`ALREADY_EXISTS`), this client's own second start ``-600`` (`INVALID_PARAMS`). The
 winner encodes, writes the entry the normal way and revokes the session (`Claims.release`). A
 waiter polls the entry key with ``batch_is_exist`` (a few milliseconds apart, backing off)
-until it lands or its bound passes, and then reads it the normal, verified way.
+until it lands or its bound passes, and then reads it the normal, verified way. Every
+`PROBE_EVERY_S` it also asks whether the claims still stand (it starts their lease sessions and
+revokes at once what it was granted): a claimant that gave up without writing (its put failed)
+frees its waiters then, not at the bound.
 
 Within one cache, callers of one key coalesce without asking the store: a key another caller of
 this cache holds or is claiming is `Claim.HELD`, and a release wakes its waiters at once. A
@@ -30,7 +33,15 @@ from mmkey.errors import StoreError
 if TYPE_CHECKING:
     from mooncake.store import MooncakeDistributedStore
 
-__all__ = ["LEASE_BYTES", "LEASE_SUFFIX", "POLL_FIRST_S", "POLL_MAX_S", "Claims", "lease_key"]
+__all__ = [
+    "LEASE_BYTES",
+    "LEASE_SUFFIX",
+    "POLL_FIRST_S",
+    "POLL_MAX_S",
+    "PROBE_EVERY_S",
+    "Claims",
+    "lease_key",
+]
 
 LEASE_SUFFIX = "#claim"
 """Appended to an entry key's text to make its lease key: ``#`` is in no mmkey key text."""
@@ -41,6 +52,9 @@ POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.01
 """The longest pause between two looks (the pause grows by half each look): a waiter sees
 an entry at most this long after it landed, for about 100 lookups a second while it waits."""
+PROBE_EVERY_S = 0.05
+"""How often a waiter asks whether the claims it waits on still stand: a claim released
+without its entry ends the wait for that key at most this long after."""
 
 
 def lease_key(text: str) -> str:
@@ -104,32 +118,61 @@ class Claims:
 
     def wait(self, texts: list[str], bound: float) -> set[str]:
         """Wait at most `bound` seconds for the entries of `texts` to land; those that did.
-        Stops early when the store does not answer (whatever has not landed is encoded)."""
+        Stops early when the store does not answer, and for a key as soon as no client holds
+        its claim (whatever has not landed is encoded)."""
         deadline = self._clock() + bound
         pending = list(dict.fromkeys(texts))
         landed: set[str] = set()
         interval = POLL_FIRST_S
+        probe_at = self._clock() + PROBE_EVERY_S
         while pending:
             left = deadline - self._clock()
             call_left = min(left, self._parts.config.timeout)
             if call_left <= 0:
                 break
-            look = functools.partial(_exist, list(pending))
+            probing = self._clock() >= probe_at
+            if probing:
+                with self._changed:  # a claim of this cache's own callers is told by its release
+                    probed = [text for text in pending if text not in self._mine]
+                look = functools.partial(self._probe_on_lane, list(pending), probed)
+                probe_at = self._clock() + PROBE_EVERY_S
+            else:
+                look = functools.partial(self._look_on_lane, list(pending))
             looked = self._parts.transport.meta(look, self._parts.transport.clock() + call_left)
             if not isinstance(looked, Done):
                 break
-            codes = looked.value
+            codes, freed = looked.value
             if not RPC_FAILURES.isdisjoint(codes):
                 self._parts.transport.fail()
                 break
             landed.update(text for text, code in zip(pending, codes, strict=False) if code == 1)
-            pending = [text for text in pending if text not in landed]
+            pending = [text for text in pending if text not in landed and text not in freed]
             left = deadline - self._clock()
             if not pending or left <= 0:
                 break
             self._pause(min(interval, left))
             interval = min(interval * 1.5, POLL_MAX_S)
         return landed
+
+    @staticmethod
+    def _look_on_lane(texts: list[str], store: MooncakeDistributedStore) -> tuple[list[int], set[str]]:
+        return store.batch_is_exist(texts), set()
+
+    @staticmethod
+    def _probe_on_lane(
+        texts: list[str], probed: list[str], store: MooncakeDistributedStore
+    ) -> tuple[list[int], set[str]]:
+        """Which of `probed` no client holds the claim of (their leases granted to this client
+        and revoked at once), then whether the entries of `texts` exist: a claimant writes
+        before it releases, so an entry whose lease was free is seen landed, not freed."""
+        leases = [lease_key(text) for text in probed]
+        starts = store.batch_put_session_start(leases, [LEASE_BYTES] * len(leases)) if leases else []
+        granted = [lease for lease, code in zip(leases, starts, strict=False) if code == 0]
+        codes = store.batch_is_exist(texts)
+        if granted:
+            store.batch_put_session_revoke(granted)
+        freed = {text for text, code in zip(probed, starts, strict=False) if code == 0}
+        return codes, freed
 
     def _until_released(self, seconds: float) -> None:
         with self._changed:
@@ -173,10 +216,6 @@ class Claims:
         if undo:
             store.batch_put_session_revoke(undo)
         return answers
-
-
-def _exist(texts: list[str], store: MooncakeDistributedStore) -> list[int]:
-    return store.batch_is_exist(texts)
 
 
 def _checked(codes: list[int], what: str) -> list[int]:
