@@ -17,6 +17,11 @@ there). Rows:
   and one holder;
 - mmkey: mmkey's backend (``MMKEY_SGLANG_BACKEND=1``, signed entries) on the same master.
 
+Each server encodes one request's image at a time (``SGLANG_ENCODER_MAX_BATCH_SIZE=1``,
+``--max-batch``): SGLang's CPU vision attention (``sdpa``) masks a fused batch as one sequence,
+so a batch of n images costs about n squared images' time (SGLang's default of 8 halved the
+none row's requests/s from 1 to 16 clients), where a GPU's variable-length kernels cost n.
+
 Then mmkey with its holder paused (SIGSTOP: a store that stops answering) beside none. Tower
 runs and tower time, and the bytes the store moved, come from counters in each server
 (`sglang_serve_worker`); the hit path (lookup, then a verified fetch into pool pages, through
@@ -80,9 +85,17 @@ def counts(server: Any) -> dict[str, float]:
 
 @contextmanager
 def servers_running(
-    root: Path, tag: str, model: Path, env: dict[str, str], extra: Sequence[str], global_cache: bool, count: int
+    root: Path,
+    tag: str,
+    model: Path,
+    env: dict[str, str],
+    extra: Sequence[str],
+    global_cache: bool,
+    count: int,
+    keep: Path | None = None,
 ) -> Iterator[list[Any]]:
-    """``count`` encode servers of one configuration, healthy, stopped on exit."""
+    """``count`` encode servers of one configuration, healthy, stopped on exit (their logs
+    copied into ``keep``)."""
     servers = [
         e2e.start_server(f"{tag}-{i}", model, env, root, extra, global_cache, launcher=LAUNCHER)
         for i in range(count)
@@ -93,6 +106,9 @@ def servers_running(
     finally:
         for server in servers:
             server.stop()
+            if keep is not None:
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(server.log, keep / server.log.name)
 
 
 @dataclass(frozen=True)
@@ -212,13 +228,21 @@ def hit_path(master: str, root: Path, repeats: int = 30) -> dict[str, float]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="16 requests a cell, 1 and 16 clients, 80%% reuse")
-    p.add_argument("--requests", type=int, default=48, help="requests per cell (default 48)")
+    p.add_argument("--requests", type=int, default=96, help="requests per cell (default 96)")
     p.add_argument("--clients", default="1,4,16", help="concurrencies (default 1,4,16)")
     p.add_argument("--reuse", default="0.5,0.8", help="shares of repeated images (default 0.5,0.8)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"rows to run (default {','.join(ROWS)})")
     p.add_argument("--servers", type=int, default=2, help="servers per row, sharing the store (default 2)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="images SGLang fuses into one tower run (SGLANG_ENCODER_MAX_BATCH_SIZE; default 1: on "
+        "CPU its attention masks a fused batch as one sequence, so n images cost n squared)",
+    )
     p.add_argument("--no-fault", action="store_true", help="skip the paused-store run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", type=Path, help="copy every server's log into this folder")
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.clients, args.reuse = 16, "1,16", "0.8"
@@ -299,16 +323,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         with running_fleet(holders=1, segment_size=512 << 20) as fleet:
             env = e2e.server_env(root, fleet.master.address, "cpu", stand_in)
             env["MOONCAKE_TIMEOUT"] = str(STORE_TIMEOUT)
+            env["SGLANG_ENCODER_MAX_BATCH_SIZE"] = str(args.max_batch)
             plain = {k: v for k, v in env.items() if not k.startswith("MMKEY_")}
             ours = dict(env, MMKEY_NAMESPACE=NAMESPACE)
             if "none" in rows:
-                with servers_running(root, "none", model, plain, extra, False, args.servers) as servers:
+                with servers_running(
+                    root, "none", model, plain, extra, False, args.servers, args.keep
+                ) as servers:
                     run_rows("none", servers)
             if "sglang" in rows:
-                with servers_running(root, "sglang", model, plain, extra, True, args.servers) as servers:
+                with servers_running(
+                    root, "sglang", model, plain, extra, True, args.servers, args.keep
+                ) as servers:
                     run_rows("sglang", servers)
             if "mmkey" in rows or not args.no_fault:
-                with servers_running(root, "mmkey", model, ours, extra, True, args.servers) as servers:
+                with servers_running(
+                    root, "mmkey", model, ours, extra, True, args.servers, args.keep
+                ) as servers:
                     if "mmkey" in rows:
                         run_rows("mmkey", servers)
                     else:

@@ -13,6 +13,12 @@ from loadgen import Outcome, format_table, percentile
 __all__ = ["VLLM_HIT_LABELS", "Report", "Summary", "render", "summarize"]
 
 MiB = 1 << 20
+VLLM_HIT_LABELS = {
+    "lookup": "lookup (batch_is_exist)",
+    "fetch": "fetch + verify (get_embeddings)",
+    "tower": "tower, per image (in the engines)",
+}
+"""The hit path table's row names in `bench_serve` (vLLM's calls)."""
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,6 @@ class Report:
     """The name of the latency the tables give percentiles of."""
     hit_labels: dict[str, str] = field(default_factory=lambda: dict(VLLM_HIT_LABELS))
     """The hit path table's row names: ``lookup``, ``fetch`` and ``tower``."""
-
-
-VLLM_HIT_LABELS = {
-    "lookup": "lookup (batch_is_exist)",
-    "fetch": "fetch + verify (get_embeddings)",
-    "tower": "tower, per image (in the engines)",
-}
 
 
 def _cell_rows(cells: Sequence[Summary]) -> list[list[object]]:

@@ -12,6 +12,7 @@ every call.
 from __future__ import annotations
 
 import functools
+import importlib
 import runpy
 import sys
 import threading
@@ -38,6 +39,20 @@ def counts() -> dict[str, float]:
         return dict(_counts)
 
 
+def _images(items: Any) -> int:
+    """How many images a tower call encodes: an item of a batch SGLang fused holds several,
+    one row of its ``image_grid_thw`` each."""
+    total = 0
+    for item in items:
+        grid: Any
+        try:
+            grid = getattr(item, "image_grid_thw", None)
+        except (AttributeError, KeyError):
+            grid = None
+        total += int(grid.shape[0]) if hasattr(grid, "shape") and len(grid.shape) == 2 else 1
+    return total
+
+
 def _timed_tower(feature: Callable[[Any], Any]) -> Callable[[Any], Any]:
     @functools.wraps(feature)
     def timed(items: Any) -> Any:
@@ -45,7 +60,7 @@ def _timed_tower(feature: Callable[[Any], Any]) -> Callable[[Any], Any]:
         try:
             return feature(items)
         finally:
-            _add(tower_images=len(items), tower_s=time.perf_counter() - start)
+            _add(tower_images=_images(items), tower_s=time.perf_counter() - start)
 
     return timed
 
@@ -67,7 +82,9 @@ def _counted_store(store: Any) -> Any:
             _size: str = size,
         ) -> list[bool]:
             done: list[bool] = _inner(hashes, ptrs, sizes)
-            landed = [s for s, ok in zip(sizes, done) if ok]
+            landed = [
+                s for s, ok in zip(sizes, done, strict=False) if ok
+            ]  # a short answer: count what is there
             _add(**{_items: len(landed), _size: sum(sum(s) for s in landed)})
             return done
 
@@ -77,8 +94,10 @@ def _counted_store(store: Any) -> Any:
 
 def install() -> None:
     """Hook the encoder, the store factory and the HTTP app (call before the server starts)."""
-    from sglang.srt.disaggregation.encoder import http_server, server
     from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
+
+    server: Any = importlib.import_module("sglang.srt.disaggregation.encoder.server")
+    http_server: Any = importlib.import_module("sglang.srt.disaggregation.encoder.http_server")
 
     init = server.MMEncoder.__init__
 
@@ -87,7 +106,7 @@ def install() -> None:
         target = self.model.thinker if hasattr(self.model, "thinker") else self.model
         target.get_image_feature = _timed_tower(target.get_image_feature)
 
-    server.MMEncoder.__init__ = counted_init  # type: ignore[method-assign]
+    server.MMEncoder.__init__ = counted_init
     create = EmbeddingStoreFactory.create_backend
 
     def counted_create(name: str, **kwargs: Any) -> Any:
