@@ -253,7 +253,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def report_of(
-    cells: Sequence[Cell], fault: Cell | None, hit: dict[str, float], load: float, minutes: float, args: Any
+    cells: Sequence[Cell],
+    fault: Cell | None,
+    hit: dict[str, float],
+    load: float,
+    minutes: float,
+    args: Any,
+    started: str = "",
 ) -> serve_tables.Report:
     """The printout's content (`serve_tables`) from the measured cells."""
 
@@ -273,6 +279,7 @@ def report_of(
         servers="SGLang 0.5.23 encode servers on CPU (`--encoder-only`, `/encode` to a ZMQ receiver)",
         latency="/encode",
         hit_labels=dict(HIT_LABELS),
+        started=started,
         notes=[
             "",
             "/encode ms: from the request to its embedding at the receiver (the prefill side's "
@@ -289,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mmkey.testing.fleet import running_fleet
 
     started = time.monotonic()
+    began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     root = Path(tempfile.mkdtemp(prefix="mmkey-bench-serve-sglang-"))
     kernel = e2e.sgl_kernel_kind()
     extra = ("--device", "cpu", *(() if kernel.startswith("real") else e2e.KERNEL_FREE_ARGS))
@@ -372,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max(loads) if loads else os.getloadavg()[0],
         (time.monotonic() - started) / 60,
         args,
+        began,
     )
     tower = (
         f"Qwen2-VL {IMAGE} px / {PATCH} px patches, width {VISION['embed_dim']} x {VISION['depth']} layers, "

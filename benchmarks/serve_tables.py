@@ -97,6 +97,8 @@ class Report:
     """The name of the latency the tables give percentiles of."""
     hit_labels: dict[str, str] = field(default_factory=lambda: dict(VLLM_HIT_LABELS))
     """The hit path table's row names: ``lookup``, ``fetch`` and ``tower``."""
+    started: str = ""
+    """When the run began (UTC), for the header line; empty: not printed."""
 
 
 def _cell_rows(cells: Sequence[Summary]) -> list[list[object]]:
@@ -180,6 +182,7 @@ def render(report: Report, image_tokens: int, tower: str) -> str:
     out = [
         f"{report.script}: {report.engines} {report.servers}, "
         f"tower {tower} ({image_tokens} image tokens), {report.requests} requests a cell; "
+        f"{f'run {report.started}, ' if report.started else ''}"
         f"{os.cpu_count()} cores ({platform.machine()}), load average up to {report.load:.1f} during the "
         f"run, {report.minutes:.1f} min. Absolute times are this CPU's; the ratios are the claim.",
     ]

@@ -88,9 +88,11 @@ def test_the_printout_names_sglang_the_encode_latency_and_the_targets() -> None:
     )
     paused = _cell("mmkey, store paused", [600.0] * 10, {"tower_images": 10.0, "tower_s": 2.0})
     args = bench.parse_args([])
-    report = bench.report_of([none, mmkey], paused, {"lookup": 0.2, "fetch": 0.4}, 1.5, 3.0, args)
+    hit = {"lookup": 0.2, "fetch": 0.4}
+    report = bench.report_of([none, mmkey], paused, hit, 1.5, 3.0, args, "2026-12-04 07:30 UTC")
     text = bench.serve_tables.render(report, bench.IMAGE_TOKENS, "Qwen2-VL")
     assert text.startswith("benchmarks/bench_serve_sglang.py: 2 SGLang 0.5.23 encode servers")
+    assert "run 2026-12-04 07:30 UTC, " in text and "load average up to 1.5 during the run, 3.0 min" in text
     assert "| configuration | requests/s | /encode p50 ms |" in text
     assert "| mmkey, 16 clients | 10.0 | 10.0 |" in text
     assert "| fetch + verify into pool pages (batch_get_into_multi_buffers) | 0.4 |" in text
