@@ -266,6 +266,22 @@ def report_of(
     def summary(c: Cell) -> serve_tables.Summary:
         return serve_tables.summarize(c.row, c.reuse, c.clients, c.outcomes, c.wall, c.counts)
 
+    notes = [
+        "",
+        "/encode ms: from the request to its embedding at the receiver (the prefill side's "
+        "stand-in): the time-to-first-token stand-in of an encoder-disaggregated deployment.",
+    ]
+    for label, group in (
+        ("mmkey rows", [c for c in cells if c.row == "mmkey"]),
+        ("store paused", [fault] if fault is not None else []),
+    ):
+        if group:
+            served, out = (sum(c.counts.get(k, 0.0) for c in group) for k in ("coalesced", "waits_timed_out"))
+            notes.append(
+                f"single-flight, {label}: {served:.0f} lookups waited for an entry another server was "
+                f"encoding and were served it; {out:.0f} waited the whole claim wait and encoded"
+            )
+
     return serve_tables.Report(
         cells=[summary(c) for c in cells],
         fault=None if fault is None else summary(fault),
@@ -280,11 +296,7 @@ def report_of(
         latency="/encode",
         hit_labels=dict(HIT_LABELS),
         started=started,
-        notes=[
-            "",
-            "/encode ms: from the request to its embedding at the receiver (the prefill side's "
-            "stand-in): the time-to-first-token stand-in of an encoder-disaggregated deployment.",
-        ],
+        notes=notes,
     )
 
 

@@ -4,7 +4,8 @@
 ``sglang.launch_server`` as SGLang's own launcher does, after three additions: each encoder's
 model has its image feature function (the vision tower) timed and counted; every embedding
 store backend SGLang creates has its reads and writes counted (entries and bytes of the calls
-that landed); and the encoder's HTTP app answers ``GET /mmkey_counts`` with the totals as JSON.
+that landed, and mmkey's single-flight counters); and the encoder's HTTP app answers
+``GET /mmkey_counts`` with the totals as JSON.
 The encoder runs in the server's own process at tensor parallel size 1, so the counters see
 every call.
 """
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["COUNTERS", "counts", "install"]
+__all__ = ["COUNTERS", "WAITS", "counts", "install"]
 
 COUNTERS = ("tower_images", "tower_s", "loaded_items", "loaded_bytes", "saved_items", "saved_bytes")
 _counts: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
@@ -33,10 +34,22 @@ def _add(**deltas: float) -> None:
             _counts[name] += value
 
 
+_stores: list[Any] = []
+WAITS = ("waits_served", "waits_timed_out", "coalesced")
+"""Single-flight counters of a store backend that keeps them (mmkey's `stats()`)."""
+
+
 def counts() -> dict[str, float]:
-    """The totals since the server started."""
+    """The totals since the server started, with the stores' single-flight counters."""
     with _lock:
-        return dict(_counts)
+        found = dict(_counts)
+    for store in _stores:
+        stats = getattr(store, "stats", None)
+        if callable(stats):
+            totals = stats()
+            for name in WAITS:
+                found[name] = found.get(name, 0.0) + float(getattr(totals, name, 0) or 0)
+    return found
 
 
 def _images(items: Any) -> int:
@@ -89,6 +102,7 @@ def _counted_store(store: Any) -> Any:
             return done
 
         setattr(store, method, counted)
+    _stores.append(store)
     return store
 
 

@@ -65,6 +65,23 @@ class _Store:
         return [True for _ in hashes]
 
 
+class _Stats:
+    waits_served, waits_timed_out, coalesced = 2, 1, 2
+
+
+class _MMKeyStore(_Store):
+    def stats(self) -> _Stats:
+        return _Stats()
+
+
+def test_the_counters_carry_a_stores_single_flight_counts() -> None:
+    before = worker.counts()
+    worker._counted_store(_MMKeyStore())
+    after = worker.counts()
+    assert after["waits_timed_out"] - before.get("waits_timed_out", 0.0) == 1
+    assert after["coalesced"] - before.get("coalesced", 0.0) == 2
+
+
 def test_the_store_counter_counts_what_landed() -> None:
     store = worker._counted_store(_Store())
     before = worker.counts()
@@ -86,7 +103,7 @@ def test_the_printout_names_sglang_the_encode_latency_and_the_targets() -> None:
     mmkey = _cell(
         "mmkey", [10.0] * 8 + [210.0, 210.0], {"tower_images": 2.0, "tower_s": 0.4, "loaded_bytes": 2 << 20}
     )
-    paused = _cell("mmkey, store paused", [600.0] * 10, {"tower_images": 10.0, "tower_s": 2.0})
+    paused = _cell("mmkey, store paused", [600.0] * 10, {"tower_images": 10.0, "waits_timed_out": 3.0})
     args = bench.parse_args([])
     hit = {"lookup": 0.2, "fetch": 0.4}
     report = bench.report_of([none, mmkey], paused, hit, 1.5, 3.0, args, "2026-12-04 07:30 UTC")
@@ -98,6 +115,9 @@ def test_the_printout_names_sglang_the_encode_latency_and_the_targets() -> None:
     assert "| fetch + verify into pool pages (batch_get_into_multi_buffers) | 0.4 |" in text
     assert "| tower, per image (in the servers) | 200.0 |" in text
     assert "time-to-first-token stand-in" in text
+    assert "single-flight, mmkey rows: 0 lookups waited" in text
+    assert "single-flight, store paused: 0 lookups waited for an entry another server was encoding" in text
+    assert "; 3 waited the whole claim wait and encoded" in text
     lines = bench.serve_tables.targets(report)
     assert lines[0] == "hit path <= 5% of the tower: 0.3% (met)"
     assert "95% below none (met)" in lines[1]
