@@ -131,8 +131,16 @@ class Images:
         self._paths: dict[int, str] = {}
 
     def __call__(self, seed: int) -> str:
+        """The picture of ``seed``: random pixels from a generator seeded with it (distinct for
+        every seed; `sglang_e2e.image`'s patterns repeat every 256 seeds)."""
         if seed not in self._paths:
-            self._paths[seed] = e2e.image(self.root, seed, IMAGE)
+            import numpy as np
+            from PIL import Image
+
+            rng = np.random.default_rng(seed)
+            path = self.root / f"bench-image-{seed}.png"
+            Image.fromarray(rng.integers(0, 256, (IMAGE, IMAGE, 3), dtype=np.uint8), "RGB").save(path)
+            self._paths[seed] = str(path)
         return self._paths[seed]
 
 

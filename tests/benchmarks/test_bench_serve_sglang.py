@@ -123,3 +123,11 @@ def test_the_printout_names_sglang_the_encode_latency_and_the_targets() -> None:
     assert "95% below none (met)" in lines[1]
     assert "mmkey 210 ms, none 200 ms (missed)" in lines[2]
     assert lines[3] == "store paused, 16 clients: p99 600 ms, bound none p99 + 0.5 s = 700 ms (met)"
+
+
+def test_every_seed_gets_a_picture_of_its_own(tmp_path: Path) -> None:
+    pytest.importorskip("PIL")
+    images = bench.Images(tmp_path)
+    paths = [images(seed) for seed in (0, 256, 1000, 1256)]  # sglang_e2e.image repeats mod 256
+    assert len({Path(p).read_bytes() for p in paths}) == 4
+    assert images(256) == paths[1]  # made once
