@@ -25,7 +25,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MMKEY_REQUIRE_VLLM=1 MMKEY_REQUIRE_MOONCAKE=1 MC_LOG_LEVEL=ERROR
 
-.PHONY: demo test test-sglang-engine test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine test-vllm-engine-connector test-vllm-engine-runs stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang test-sglang-stubtest test-sglang-pytest bench bench-vllm bench-sglang bench-serve clean
+.PHONY: demo test test-sglang-engine test-foreground test-background check pytest-parallel pytest-serial test-vllm-wheel test-vllm-engine test-vllm-engine-connector test-vllm-engine-runs stack-envs docs lint lint-imports static-checks pytest-quick typecheck mypy pyright verifytypes test-matrix stubtest pytest test-vllm test-sglang test-sglang-stubtest test-sglang-pytest bench bench-vllm bench-sglang bench-serve bench-serve-sglang clean
 
 # Every environment is installed by uv (pinned; about ten times faster than pip at unpacking
 # torch). uv looks only where it is told: the local wheel folders that hold torch's CPU build
@@ -257,6 +257,12 @@ bench-vllm: $(VLLM_VENV)/.ready $(VLLM_ENGINE_VENV)/.ready
 # images at 1, 4 and 16 clients (about 10 min on 2 cores; BENCH_SERVE_ARGS=--quick: about 4)
 bench-serve: $(VLLM_ENGINE_VENV)/.ready
 	OMP_NUM_THREADS=1 MC_LOG_LEVEL=ERROR $(VLLM_ENGINE_BIN)/python benchmarks/bench_serve.py $(BENCH_SERVE_ARGS)
+
+# the same for SGLang: two encode servers per configuration behind /encode (no global cache,
+# SGLang's own Mooncake backend, mmkey's), the same kind of trace at 1, 4 and 16 clients, a
+# paused holder (about 6 min on 2 cores; BENCH_SERVE_ARGS=--quick: about 1.5)
+bench-serve-sglang: $(SGLANG_READY)
+	OMP_NUM_THREADS=1 MC_LOG_LEVEL=ERROR $(SGLANG_VENV)/bin/python benchmarks/bench_serve_sglang.py $(BENCH_SERVE_ARGS)
 
 clean:
 	rm -rf .pycache .uv-cache $(VENV) $(VLLM_VENV) $(VLLM_ENGINE_VENV) $(SGLANG_VENV) .venv-py* .mypy_cache .pytest_cache .hypothesis docs/_build docs/_generated \

@@ -10,9 +10,15 @@ from dataclasses import dataclass, field
 
 from loadgen import Outcome, format_table, percentile
 
-__all__ = ["Report", "Summary", "render", "summarize"]
+__all__ = ["VLLM_HIT_LABELS", "Report", "Summary", "render", "summarize"]
 
 MiB = 1 << 20
+VLLM_HIT_LABELS = {
+    "lookup": "lookup (batch_is_exist)",
+    "fetch": "fetch + verify (get_embeddings)",
+    "tower": "tower, per image (in the engines)",
+}
+"""The hit path table's row names in `bench_serve` (vLLM's calls)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,15 @@ class Report:
     engines: int
     requests: int
     notes: list[str] = field(default_factory=list)
+    script: str = "benchmarks/bench_serve.py"
+    servers: str = "vLLM 0.32 CPU engines (`vllm serve`, OpenAI API)"
+    """What ran, after their number in the header line."""
+    latency: str = "TTFT"
+    """The name of the latency the tables give percentiles of."""
+    hit_labels: dict[str, str] = field(default_factory=lambda: dict(VLLM_HIT_LABELS))
+    """The hit path table's row names: ``lookup``, ``fetch`` and ``tower``."""
+    started: str = ""
+    """When the run began (UTC), for the header line; empty: not printed."""
 
 
 def _cell_rows(cells: Sequence[Summary]) -> list[list[object]]:
@@ -155,7 +170,7 @@ def render(report: Report, image_tokens: int, tower: str) -> str:
     header = [
         "configuration",
         "requests/s",
-        "TTFT p50 ms",
+        f"{report.latency} p50 ms",
         "p90 ms",
         "p99 ms",
         "tower runs",
@@ -165,8 +180,9 @@ def render(report: Report, image_tokens: int, tower: str) -> str:
         "failed",
     ]
     out = [
-        f"benchmarks/bench_serve.py: {report.engines} vLLM 0.32 CPU engines (`vllm serve`, OpenAI API), "
+        f"{report.script}: {report.engines} {report.servers}, "
         f"tower {tower} ({image_tokens} image tokens), {report.requests} requests a cell; "
+        f"{f'run {report.started}, ' if report.started else ''}"
         f"{os.cpu_count()} cores ({platform.machine()}), load average up to {report.load:.1f} during the "
         f"run, {report.minutes:.1f} min. Absolute times are this CPU's; the ratios are the claim.",
     ]
@@ -183,11 +199,12 @@ def render(report: Report, image_tokens: int, tower: str) -> str:
     tower_cost = tower_ms([c for c in report.cells if c.row == "none"] or report.cells)
     if report.hit_ms:
         hit = sum(report.hit_ms.values())
+        labels = report.hit_labels
         rows: list[list[object]] = [
-            ["lookup (batch_is_exist)", report.hit_ms.get("lookup", 0.0)],
-            ["fetch + verify (get_embeddings)", report.hit_ms.get("fetch", 0.0)],
+            [labels["lookup"], report.hit_ms.get("lookup", 0.0)],
+            [labels["fetch"], report.hit_ms.get("fetch", 0.0)],
             ["hit path, total", hit],
-            ["tower, per image (in the engines)", tower_cost],
+            [labels["tower"], tower_cost],
         ]
         out += ["", format_table(["one image (ms)", "median ms"], rows)]
     out += ["", "targets:", *(f"- {line}" for line in targets(report)), *report.notes]

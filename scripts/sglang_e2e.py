@@ -92,8 +92,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build_model(root: Path) -> Path:
-    """A random-weight Qwen2-VL of a few million parameters, saved with its processor."""
+def build_model(
+    root: Path,
+    *,
+    vision: dict[str, int] | None = None,
+    hidden: int = 128,
+    max_pixels: int = 224 * 224,
+    name: str = "tiny-qwen2-vl",
+) -> Path:
+    """A random-weight Qwen2-VL of a few million parameters, saved with its processor under
+    ``root / name``. ``vision`` overrides the vision tower's sizes (``depth``, ``embed_dim``,
+    ``num_heads``, ``mlp_ratio``), ``hidden`` is the width of the decoder and so of the
+    embeddings the tower hands over, ``max_pixels`` the most the processor keeps of an image
+    (the serving benchmark builds a larger tower with these; the defaults are this script's)."""
     import torch
 
     tok: Any = importlib.import_module("tokenizers")  # SGLang's environment has these; mmkey's not
@@ -120,7 +131,6 @@ def build_model(root: Path) -> Path:
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL}
-    hidden = 128
     config = hf.Qwen2VLConfig(
         text_config={
             "hidden_size": hidden,
@@ -139,9 +149,10 @@ def build_model(root: Path) -> Path:
         vision_config={
             "depth": 2,
             "embed_dim": 64,
-            "hidden_size": hidden,
             "num_heads": 2,
             "mlp_ratio": 2,
+            **(vision or {}),
+            "hidden_size": hidden,
             "in_channels": 3,
             "in_chans": 3,
         },  # fmt: skip
@@ -153,10 +164,10 @@ def build_model(root: Path) -> Path:
     )
     torch.manual_seed(0)
     model = hf.Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
-    path = root / "tiny-qwen2-vl"
+    path = root / name
     model.save_pretrained(path)
     processor = hf.Qwen2VLProcessor(
-        image_processor=hf.Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=224 * 224),
+        image_processor=hf.Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=max_pixels),
         video_processor=hf.Qwen2VLVideoProcessor(),
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,
@@ -169,15 +180,15 @@ def build_model(root: Path) -> Path:
     return path
 
 
-def image(root: Path, seed: int) -> str:
-    """A deterministic 112x112 RGB picture, different for every seed."""
+def image(root: Path, seed: int, size: int = 112) -> str:
+    """A deterministic ``size`` x ``size`` RGB picture, different for every seed."""
     image_module: Any = importlib.import_module("PIL.Image")
 
-    path = root / f"image-{seed}.png"
+    path = root / (f"image-{seed}.png" if size == 112 else f"image-{seed}-{size}.png")
     a, b = 7 + 2 * seed, 13 + 5 * seed
-    pixels = bytes((x * a + y * b + 31 * seed) % 256 for y in range(112) for x in range(112 * 3))
+    pixels = bytes((x * a + y * b + 31 * seed) % 256 for y in range(size) for x in range(size * 3))
     written = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    image_module.frombytes("RGB", (112, 112), pixels).save(written, format="PNG")
+    image_module.frombytes("RGB", (size, size), pixels).save(written, format="PNG")
     os.replace(written, path)  # a server reading the path never sees a half-written file
     return str(path)
 
@@ -252,12 +263,20 @@ class Server:
 
 
 def start_server(
-    name: str, model: Path, env: dict[str, str], root: Path, extra: Sequence[str], global_cache: bool
+    name: str,
+    model: Path,
+    env: dict[str, str],
+    root: Path,
+    extra: Sequence[str],
+    global_cache: bool,
+    launcher: Sequence[str] = ("-m", "sglang.launch_server"),
 ) -> Server:
+    """One encode server; ``launcher`` is what follows the interpreter on its command line
+    before SGLang's options (SGLang's own launcher, or a script that wraps it)."""
     port = free_port()
     cache = ("--enable-mm-global-cache", "--mm-global-cache-backend", "mooncake") if global_cache else ()
     command = [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--encoder-only",
+        sys.executable, *launcher, "--model-path", str(model), "--encoder-only",
         *cache, "--encoder-transfer-backend", "zmq_to_tokenizer", "--host", "127.0.0.1",
         "--port", str(port), "--mem-fraction-static", "0.1", "--trust-remote-code", *extra,
     ]  # fmt: skip
@@ -736,15 +755,15 @@ def held(name: str, seen: dict[str, Any]) -> bool:
     return False
 
 
-def prepare(root: Path, kernel: str) -> tuple[Path | None, Path]:
+def prepare(root: Path, kernel: str, **model: Any) -> tuple[Path | None, Path]:
     """What every server of a run shares, under ``root``: the ``sgl_kernel`` stand-in where
     ``kernel`` is ``absent`` (its folder, else ``None``), the fleet's entry secret file
-    (``entry.key``, 0600) and the tiny model (its folder)."""
+    (``entry.key``, 0600) and the tiny model (its folder; ``model``: `build_model`'s sizes)."""
     stand_in = write_stand_in(root, "sglang-kernel is not installed here") if kernel == "absent" else None
     secret = root / "entry.key"
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
-    return stand_in, build_model(root)
+    return stand_in, build_model(root, **model)
 
 
 def server_env(root: Path, master: str, device: str, stand_in: Path | None) -> dict[str, str]:
