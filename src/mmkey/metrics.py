@@ -18,7 +18,8 @@ Exported (each with a ``cache`` label naming the wrapped cache):
 ``mmkey_cache_<counter>_total``, ``mmkey_cache_bytes_held``, ``mmkey_cache_entries``,
 ``mmkey_cache_call_seconds{operation}`` (histogram), ``mmkey_cache_call_keys_total{operation}``,
 ``mmkey_cache_breaker_open``, ``mmkey_cache_quarantined_holders``,
-``mmkey_cache_holder_quarantined{holder}``, ``mmkey_cache_busy_lanes``.
+``mmkey_cache_holder_quarantined{holder}``, ``mmkey_cache_busy_lanes``,
+``mmkey_cache_writes_held``.
 """
 
 from __future__ import annotations
@@ -174,6 +175,11 @@ class _CacheMetrics(Collector):
             "Store calls in flight past their caller's deadline.",
             labels=["cache"],
         )
+        writes = GaugeMetricFamily(
+            "mmkey_cache_writes_held",
+            "1 while writes are skipped after one to the store timed out.",
+            labels=["cache"],
+        )
         for name, cache in caches:
             stats = cache.stats_or_none()
             if stats is not None:
@@ -190,8 +196,9 @@ class _CacheMetrics(Collector):
                 for endpoint in report.quarantined:
                     holder.add_metric([name, endpoint], 1.0)
                 lanes.add_metric([name], report.busy_lanes)
+                writes.add_metric([name], 1.0 if report.writes_held else 0.0)
         yield from counters.values()
-        yield from (held, entries, breaker, quarantined, holder, lanes)
+        yield from (held, entries, breaker, quarantined, holder, lanes, writes)
 
 
 _BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, _CacheMetrics] = weakref.WeakKeyDictionary()

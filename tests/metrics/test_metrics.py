@@ -117,7 +117,9 @@ def test_every_counter_is_exported_under_its_own_name() -> None:
 
 def test_breaker_and_quarantined_holders_of_a_cache_that_reports_health() -> None:
     registry = CollectorRegistry()
-    health = CacheHealth(breaker_open=True, quarantined=("127.0.0.1:15002", "127.0.0.1:15001"), busy_lanes=2)
+    health = CacheHealth(
+        breaker_open=True, quarantined=("127.0.0.1:15002", "127.0.0.1:15001"), busy_lanes=2, writes_held=True
+    )
     remote = FixedCache(CacheStats(), health)
     assert isinstance(remote, ReportsHealth)
     assert health_of(remote) == health
@@ -126,11 +128,13 @@ def test_breaker_and_quarantined_holders_of_a_cache_that_reports_health() -> Non
     assert sample(registry, "mmkey_cache_breaker_open", cache="mooncake") == 1
     assert sample(registry, "mmkey_cache_quarantined_holders", cache="mooncake") == 2
     assert sample(registry, "mmkey_cache_busy_lanes", cache="mooncake") == 2
+    assert sample(registry, "mmkey_cache_writes_held", cache="mooncake") == 1
     for endpoint in health.quarantined:
         assert sample(registry, "mmkey_cache_holder_quarantined", cache="mooncake", holder=endpoint) == 1
     remote.fixed_health = CacheHealth()  # the holders answered again
     assert sample(registry, "mmkey_cache_breaker_open", cache="mooncake") == 0
     assert sample(registry, "mmkey_cache_quarantined_holders", cache="mooncake") == 0
+    assert sample(registry, "mmkey_cache_writes_held", cache="mooncake") == 0
     assert (
         sample(registry, "mmkey_cache_holder_quarantined", cache="mooncake", holder="127.0.0.1:15001") is None
     )
@@ -147,9 +151,9 @@ def test_a_tiered_cache_merges_its_tiers_health() -> None:
     assert tiered.health() == CacheHealth(quarantined=("10.0.0.2:1",), busy_lanes=1)
     assert TieredCache(MemoryCache(1), MemoryCache(1)).health() == CacheHealth()
     merged = CacheHealth(breaker_open=True, quarantined=("a:1",)).merged(
-        CacheHealth(quarantined=("b:2", "a:1"))
+        CacheHealth(quarantined=("b:2", "a:1"), writes_held=True)
     )
-    assert merged == CacheHealth(breaker_open=True, quarantined=("a:1", "b:2"))
+    assert merged == CacheHealth(breaker_open=True, quarantined=("a:1", "b:2"), writes_held=True)
     cache = MeteredCache(tiered, name="tiered", registry=registry)
     assert sample(registry, "mmkey_cache_holder_quarantined", cache="tiered", holder="10.0.0.2:1") == 1
     assert sample(registry, "mmkey_cache_breaker_open", cache="tiered") == 0

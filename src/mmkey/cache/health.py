@@ -34,6 +34,9 @@ class CacheHealth:
     misses without calling the store, after a transfer from them failed or timed out."""
     busy_lanes: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
     """Store calls in flight past their caller's deadline (a lane stuck in the binding)."""
+    writes_held: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    """Writes are skipped (not stored, no claims) after one timed out: the master places a
+    write, so the hung holder is not known; one trial write every ``retry_after`` seconds."""
 
     def merged(self, other: CacheHealth) -> CacheHealth:
         """Both views at once (the tiers of a `TieredCache`): open if either is, every holder."""
@@ -41,6 +44,7 @@ class CacheHealth:
             breaker_open=self.breaker_open or other.breaker_open,
             quarantined=tuple(set(self.quarantined) | set(other.quarantined)),
             busy_lanes=self.busy_lanes + other.busy_lanes,
+            writes_held=self.writes_held or other.writes_held,
         )
 
 

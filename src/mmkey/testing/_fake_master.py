@@ -230,8 +230,8 @@ class FakeMooncakeMaster:
                 self._delays.pop(method, None)
 
     def make_unreachable(self, endpoint: str, unreachable: bool = True) -> None:
-        """Transfers from holder ``endpoint`` fail with `TRANSFER_FAIL` (False: they work again);
-        the master keeps listing its objects."""
+        """Transfers from or to holder ``endpoint`` fail with `TRANSFER_FAIL` (False: they work
+        again); the master keeps listing its objects."""
         with self._lock:
             if unreachable:
                 self._unreachable.add(endpoint)
@@ -239,8 +239,8 @@ class FakeMooncakeMaster:
                 self._unreachable.discard(endpoint)
 
     def pause_holder(self, endpoint: str) -> None:
-        """Transfers from holder ``endpoint`` block until `resume_holder` (or `close`), and then
-        complete: a late read still writes its buffers, as with a stopped holder."""
+        """Transfers from or to holder ``endpoint`` block until `resume_holder` (or `close`),
+        and then complete: a late read still writes its buffers, as with a stopped holder."""
         with self._lock:
             self._paused.setdefault(endpoint, threading.Event())
 
@@ -412,25 +412,49 @@ class FakeMooncakeMaster:
 
     def _store(self, key: str, value: bytes, writer: str, replicas: int, replace: bool) -> int:
         """Place `value` under ``key`` (kept if present and not `replace`; a key an open put
-        session reserves is left to it, unless `replace`)."""
-        with self._lock:
-            old = self._objects.get(key)
-            reservation = self._claimable(key)
-            if (old is not None or reservation is not None) and not replace:
-                return OK
-            if old is not None:
-                del self._objects[key]
-            if reservation is not None:
-                del self._reserved[key]
-            chosen = self._place(len(value), writer, replicas)
-            if not chosen:
+        session reserves is left to it, unless `replace`). A write placed on a paused holder
+        waits until it resumes (and is placed again); on an unreachable one it fails with
+        `TRANSFER_FAIL`; either way nothing changes before it lands."""
+        while True:
+            with self._lock:
+                old = self._objects.get(key)
+                reservation = self._claimable(key)
+                if (old is not None or reservation is not None) and not replace:
+                    return OK
+                if old is not None:
+                    del self._objects[key]
+                if reservation is not None:
+                    del self._reserved[key]
+                chosen = self._place(len(value), writer, replicas)
+                blocked = self._transfer_to(chosen)
+                if chosen and blocked is None:
+                    self._objects[key] = _Object(value, chosen)
+                    return OK
                 if old is not None:
                     self._objects[key] = old
                 if reservation is not None:
                     self._reserved[key] = reservation
-                return NO_AVAILABLE_HANDLE
-            self._objects[key] = _Object(value, chosen)
-            return OK
+                if not chosen or blocked is None:
+                    return NO_AVAILABLE_HANDLE
+                if isinstance(blocked, int):
+                    return blocked
+            blocked.wait()
+
+    def _transfer_to(self, holders: Sequence[str]) -> threading.Event | int | None:
+        """What a transfer to `holders` meets (the lock held): None (it goes), `TRANSFER_FAIL`
+        (one is unreachable) or the event a paused one waits for."""
+        if any(h in self._unreachable for h in holders):
+            return TRANSFER_FAIL
+        return next((self._paused[h] for h in holders if h in self._paused), None)
+
+    def _await_holders(self, holders: Sequence[str]) -> bool:
+        """Wait out paused `holders`; whether a transfer to them can land (none unreachable)."""
+        while True:
+            with self._lock:
+                blocked = self._transfer_to(holders)
+            if not isinstance(blocked, threading.Event):
+                return blocked is None
+            blocked.wait()
 
     def _reserve(self, key: str, size: int, writer: str, replicas: int, token: object) -> list[str] | int:
         """Open a put session of ``size`` bytes for ``key``: the holders of its room, or

@@ -306,6 +306,8 @@ class FakeMooncakeStore(FakeClient):
         data = self._load(ptrs, sizes)
         if data is None or not master._holds(session.holders):  # its room left with its holder
             return INVALID_PARAMS
+        if not master._await_holders(session.holders):
+            return TRANSFER_FAIL
         at = 0
         for offset, size in zip(offsets, sizes, strict=True):
             session.data[offset : offset + size] = data[at : at + size]

@@ -17,8 +17,8 @@ loopback listener, so a cache runs on it unchanged::
 Faults are injected, never timed: `FakeMooncakeMaster.fail_next` (the next calls of a method
 return a code), `~FakeMooncakeMaster.kill`/`~FakeMooncakeMaster.restart` (every call fails
 with `RPC_FAIL`, the objects are lost),
-`make_unreachable` (transfers from a holder fail with `TRANSFER_FAIL`), `pause_holder`
-(transfers from a holder block until `resume_holder`, then land, like a holder that was
+`make_unreachable` (transfers from or to a holder fail with `TRANSFER_FAIL`), `pause_holder`
+(transfers from or to a holder block until `resume_holder`, then land, like a holder that was
 stopped), `flip_byte` (corrupt a stored value) and `delay` (a method sleeps first). `calls` counts
 every call by method name.
 

@@ -407,3 +407,29 @@ def test_a_mixed_burst_of_refused_entries_is_logged_whole_in_one_line(
         if n:
             assert f"{n} forged ({reason})" in line  # every kind, with its count
     assert sum(kinds.values()) == 5 and len([n for n in kinds.values() if n]) >= 3
+
+
+def test_a_write_to_a_paused_holder_lands_on_resume_and_to_an_unreachable_one_changes_nothing(
+    master: FakeMooncakeMaster,
+) -> None:
+    # as with a real stopped holder, a put placed on it waits; an unreachable one fails the put
+    holder = Holder(master)
+    client = FakeMooncakeStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", master.address) == 0
+    try:
+        master.pause_holder(holder.endpoint)
+        answers: list[int] = []
+        writer = threading.Thread(target=lambda: answers.append(client.upsert("k", b"v" * 8)))
+        writer.start()
+        writer.join(0.2)
+        assert writer.is_alive() and master.keys() == [], "waiting on the paused holder, nothing stored"
+        master.resume_holder(holder.endpoint)
+        writer.join(10)
+        assert answers == [0] and master.value("k") == b"v" * 8
+        master.make_unreachable(holder.endpoint)
+        assert client.upsert("k", b"w" * 8) == TRANSFER_FAIL
+        assert client.upsert("k2", b"w" * 8) == TRANSFER_FAIL
+        assert master.keys() == ["k"] and master.value("k") == b"v" * 8, "the old value kept"
+    finally:
+        client.close()
+        holder.store.close()

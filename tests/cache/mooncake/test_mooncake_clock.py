@@ -17,6 +17,7 @@ import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
 from mmkey.cache.health import CacheHealth
+from mmkey.cache.protocol import Claim
 from mmkey.entry.codec import encode_entry
 from mmkey.testing.fake_mooncake import RPC_FAIL, FakeMooncakeMaster, FakeMooncakeStore
 from tests._clock import FakeClock
@@ -394,3 +395,46 @@ def test_a_claim_waits_poll_cut_off_by_the_waits_own_bound_leaves_the_breaker_cl
         [got] = c.get_embeddings([key(30)])
         assert got is not None and torch.equal(got, torch.ones(4)), "the store was asked, not skipped"
         assert c.stats().skipped == 0
+
+
+def test_a_hung_write_holds_writes_and_claims_off_until_a_trial_lands_by_the_clock(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    """The master places a write, so which holder hangs is unknown: after a write timed out,
+    writes are skipped without a store call and claims are not taken (the entry would not
+    land), until `retry_after` lets one trial through, by the clock."""
+    config = settings(master, claim_wait=0.3)
+    with MooncakeCache(config, keyring=None, store_class=store_class(hangs), clock=clock) as c:
+        hangs.hang("batch_upsert_from")  # held until the end: its lane stays stuck
+        assert c.insert_batch([key(40)], [torch.ones(4)]) == [False]
+        assert c.health().writes_held and not c.health().breaker_open
+        calls, skipped = master.calls["batch_upsert_from"], c.stats().skipped
+        assert c.insert_batch([key(41)], [torch.ones(4)]) == [False]
+        assert master.calls["batch_upsert_from"] == calls, "held off: the store was not asked"
+        assert c.stats().skipped == skipped + 1
+        assert c.claim([key(42)]) == [Claim.UNCLAIMED]
+        assert master.reserved() == [], "no lease taken"
+        clock.advance(RETRY_AFTER - 1.0)
+        assert c.insert_batch([key(41)], [torch.ones(4)]) == [False]
+        assert master.calls["batch_upsert_from"] == calls
+        clock.advance(1.0)
+        assert c.insert_batch([key(41)], [torch.ones(4)]) == [True], "the trial, on another lane"
+        assert not c.health().writes_held
+        assert c.claim([key(42)]) == [Claim.WON]
+        c.release([key(42)])
+
+
+def test_a_timed_out_write_that_lands_late_lifts_the_hold_at_once(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    """On a busy host a healthy holder's write can miss its deadline; its late landing proves
+    the holder answers, so writes go on without waiting for `retry_after`."""
+    with MooncakeCache(settings(master), keyring=None, store_class=store_class(hangs), clock=clock) as c:
+        hangs.hang("batch_upsert_from")
+        assert c.insert_batch([key(43)], [torch.ones(4)]) == [False]
+        assert c.health().writes_held
+        hangs.release()  # the write lands, late
+        assert wait_until(lambda: not c.health().writes_held, 10), c.health()
+        assert c.insert_batch([key(44)], [torch.ones(4)]) == [True]
+        got = c.get_embeddings([key(43), key(44)])
+        assert all(g is not None and torch.equal(g, torch.ones(4)) for g in got)

@@ -27,6 +27,7 @@ import torch
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.cache.aio import AsyncCache
 from mmkey.cache.mooncake._net import PROGRESS_ENV
+from mmkey.cache.protocol import Claim
 from mmkey.testing.fleet import (
     Fleet,
     HolderProcess,
@@ -398,3 +399,33 @@ def test_an_abandoned_read_still_writes_its_buffer_when_the_holder_resumes(
             client.unregister_buffer(target_ptr)
             client.unregister_buffer(source_ptr)
             client.close()
+
+
+def test_a_write_to_a_paused_holder_holds_writes_off_until_it_lands_late(
+    one_holder_fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The master places a write, so a client cannot tell that one goes to a hung holder until
+    it timed out: then writes are skipped (no transfer spins on the hung holder, no claim
+    is taken) until one lands; here the timed-out one, when the holder resumes."""
+    monkeypatch.setenv(PROGRESS_ENV, "30")  # the binding's own deadline: the put outlives the pause
+    holder = one_holder_fleet.holders[0]
+    cache = reader_of(one_holder_fleet, retry_after=3600.0, claim_wait=1.0)
+    try:
+        assert cache.insert_batch([key(5000)], [value(5000)]) == [True]  # the control
+        holder.pause()
+        assert cache.insert_batch([key(5001)], [value(5001)]) == [False]  # cut off at the timeout
+        assert cache.health().writes_held
+        skipped = cache.stats().skipped
+        assert cache.insert_batch([key(5002)], [value(5002)]) == [False]
+        assert cache.stats().skipped == skipped + 1, "held off: no second transfer to the holder"
+        assert cache.claim([key(5003)]) == [Claim.UNCLAIMED]
+        holder.resume()  # the timed-out put completes: the holder answers again
+        assert wait_until(lambda: not cache.health().writes_held, 20), cache.health()
+        assert cache.insert_batch([key(5002)], [value(5002)]) == [True]
+        for i in (5000, 5001, 5002):
+            got = cache.get_embeddings([key(i)])[0]
+            assert got is not None and torch.equal(got, value(i)), i
+    finally:
+        if holder.paused:
+            holder.resume()
+        cache.close()

@@ -141,11 +141,13 @@ class MooncakeCache:
         return self._transport.is_connected()
 
     def health(self) -> CacheHealth:
-        """The breaker, the quarantined holders and the lanes stuck past the timeout."""
+        """The breaker, the quarantined holders, the lanes stuck past the timeout, and
+        whether writes are held off."""
         return CacheHealth(
             breaker_open=self._transport.breaker.is_open(),
             quarantined=self._transport.quarantine.endpoints(),
             busy_lanes=self._transport.busy_lanes(),
+            writes_held=self._transport.write_breaker.is_open(),
         )
 
     # -- the EmbeddingCache protocol ------------------------------------------------------
@@ -328,10 +330,12 @@ class MooncakeCache:
         `Claim.WON`: encode it, insert it, then `release` it (also when the encode fails).
         `Claim.HELD`: another client, or another caller of this cache, is encoding it, or its
         entry landed since the caller looked: `wait_for_embeddings`. `Claim.UNCLAIMED`: claims
-        are off (``claim_wait`` 0) or the store did not answer within the timeout: encode it.
+        are off (``claim_wait`` 0), the store did not answer within the timeout, or this
+        cache's writes are held off (``health().writes_held``: its entry would not land, so
+        no other client waits for it): encode it.
         """
         texts = self._texts(keys, "claim")
-        if not texts or self._config.claim_wait == 0:
+        if not texts or self._config.claim_wait == 0 or self._transport.write_breaker.is_open():
             return [Claim.UNCLAIMED] * len(texts)
         answers = self._claims.claim(texts, self._give_up())
         return [answers[text] for text in texts]

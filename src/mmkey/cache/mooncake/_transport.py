@@ -10,7 +10,10 @@ another holder. Every lane's staging buffer is allocated (faulted in) and regist
 set-up, within ``setup_timeout``, so no call pays for it. The binding serves overlapping
 calls from several threads (measured; the fleet tests run them). The breaker is about the
 master: it opens when a metadata call fails or times out. A transfer that fails or times
-out quarantines the holder it went to instead.
+out quarantines the holder it went to instead. A write's holder is not known before it goes
+(the master places it), so a write that times out or fails in transfer opens the *write
+breaker* instead (`write_breaker`): writes are then skipped, one trial every `retry_after`,
+until one lands or a timed-out one completes late.
 
 Mooncake's ``setup()`` and ``close()`` hold the GIL, so while they run every thread of the
 process stops; neither is called unless the master has just answered a request on its RPC
@@ -197,6 +200,9 @@ class StoreTransport:
         self._prober = Lane("mmkey-mooncake-probe", clock)
         self.breaker = Breaker(config.retry_after, clock)
         self.quarantine = Quarantine(config.retry_after, clock)
+        self.write_breaker = Breaker(config.retry_after, clock)
+        """Open after a write timed out or failed in transfer (a hung or lost holder): while
+        open writes are skipped, so no write queues on a holder that does not answer."""
         self._store: MooncakeDistributedStore | None = None  # set on the metadata lane only
         self._regions: list[Region] = []  # registered at set-up, and then as they come
         self._registered: set[int] = set()  # start addresses registered (metadata lane only)

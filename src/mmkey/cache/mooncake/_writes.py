@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from mmkey._deadline import Done
+from mmkey._deadline import Done, Outcome, Why
 from mmkey._tensors import byte_view, host_ready, nbytes_of
 from mmkey.cache.mooncake import Added
 from mmkey.cache.mooncake._reserved import (
@@ -203,16 +203,41 @@ class Writer:
         or with `only_new` put sessions that write only keys no client holds or is writing."""
         staged = _StagedWrite(self, self._parts, texts, tensors, give_up, only_new)
         try:
-            if not self._transport.ready(give_up):
+            if not self._may_write(give_up):
                 return {}
             lane = self._transport.pick_lane(set())
             if lane is None:
                 self._parts.skipped("every transfer lane stuck")
                 return {}
-            outcome = self._transport.finish(self._transport.submit(lane, staged.run), give_up)
+            outcome = self._finish(self._transport.submit(lane, staged.run), give_up)
             return outcome.value if isinstance(outcome, Done) else {}
         finally:
             staged.release()
+
+    def _may_write(self, give_up: float) -> bool:
+        """Whether a write may go to the store now: the master answers (the breaker) and
+        writes are not held off (`StoreTransport.write_breaker`: one trial per `retry_after`)."""
+        if not self._transport.ready(give_up):
+            return False
+        if self._transport.write_breaker.allow():
+            return True
+        self._parts.skipped("writes held off: a write to the store timed out")
+        return False
+
+    def _finish(self, pending: Pending[dict[str, Added]], give_up: float) -> Outcome[dict[str, Added]]:
+        """The outcome of a submitted write, told to the write breaker: a write that timed out
+        opens it (its holder hangs, or the master does); one that stored an entry, in time or
+        late, closes it."""
+        outcome = self._transport.finish(pending, give_up, abandoned=self._landed)
+        if isinstance(outcome, Done):
+            self._landed(outcome.value)
+        elif outcome.why is Why.TIMED_OUT:
+            self._transport.write_breaker.failure()
+        return outcome
+
+    def _landed(self, outcomes: dict[str, Added]) -> None:
+        if any(outcome is Added.STORED for outcome in outcomes.values()):
+            self._transport.write_breaker.success()
 
     def write_from(self, latest: dict[str, list[torch.Tensor]], give_up: float) -> dict[str, bool]:
         """Store payloads held in runs: straight from registered memory when the key is new,
@@ -332,14 +357,14 @@ class Writer:
         and payload runs (from the caller's registered memory), one chunk at a time: the
         caller's thread seals the next chunk while a lane moves the one before."""
         stored: dict[str, Added] = {}
-        if not payloads or not self._parts.transport.ready(give_up):
+        if not payloads or not self._may_write(give_up):
             return stored
         taken: set[int] = set()
         inflight: deque[Pending[dict[str, Added]]] = deque()
 
         def drain_one() -> None:
             pending = inflight.popleft()
-            outcome = self._transport.finish(pending, give_up)
+            outcome = self._finish(pending, give_up)
             if isinstance(outcome, Done):
                 stored.update(outcome.value)
                 taken.discard(self._transport.lanes.index(pending.lane))
