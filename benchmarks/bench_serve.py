@@ -15,7 +15,10 @@ seeded trace with Zipf-like image reuse at 1, 4 and 16 concurrent clients. Rows:
   files in a directory both engines share);
 - mmkey: ``MMKeyECConnector`` (``ec_both``) on a local Mooncake master and one holder.
 
-Then mmkey with its holder paused (SIGSTOP: a store that stops answering) beside none. Tower
+Every configuration's engines run at once, and each cell runs all rows back to back, the first
+row turning from cell to cell (`loadgen.interleaved`): a shared host's speed drifts over
+minutes, and rows run minutes apart compared that drift (at one client p99 is close to the
+slowest request). Then mmkey with its holder paused (SIGSTOP: a store that stops answering). Tower
 runs and tower time come from a forward hook in each engine (`serve_worker`), bytes moved from
 the connector calls there; the hit path (lookup, fetch, verify) is timed on the same store
 with an entry of the tower's output size. Absolute times are this CPU's; ratios are the claim.
@@ -38,7 +41,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -316,6 +319,10 @@ def hit_path(master: str, entry: tuple[int, int], repeats: int = 30) -> dict[str
         cache.close()
 
 
+ROW_ENGINES = {"none": "plain", "in-engine": "plain", "vllm-store": "store", "mmkey": "mmkey"}
+"""The engines each row runs on (none and in-engine share the engines without a connector)."""
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="24 requests a cell, 1 and 16 clients, 80%% reuse")
@@ -329,6 +336,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.clients, args.reuse = 24, "1,16", "0.8"
+    unknown = set(args.rows.split(",")) - set(ROW_ENGINES)
+    if unknown:
+        p.error(f"unknown rows: {', '.join(sorted(unknown))} (known: {', '.join(ROW_ENGINES)})")
     return args
 
 
@@ -359,40 +369,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells: list[Cell] = []
     loads: list[float] = []
 
-    def run_rows(names: list[str], engines: Sequence[Engine]) -> None:
-        warm(engines, model)
-        for name in names:
-            for cell in plan:
-                cells.append(
-                    asyncio.run(measure_cell(name, engines, model, traces[cell], bases[cell], *cell))
-                )
-                loads.append(os.getloadavg()[0])
-
-    plain = [r for r in ("none", "in-engine") if r in rows]
-    if plain:
-        with engines_running(workdir, "plain", model, None, args.engines) as engines:
-            run_rows(plain, engines)
-    if "vllm-store" in rows:
-        storage = workdir / "ec-store"
-        storage.mkdir()
-        ec = {
-            "ec_connector": "ECExampleConnector",
-            "ec_role": "ec_both",
-            "ec_connector_extra_config": {"shared_storage_path": str(storage)},
-        }
-        with engines_running(workdir, "store", model, ec, args.engines) as engines:
-            run_rows(["vllm-store"], engines)
+    groups = dict(ROW_ENGINES)
     fault: Cell | None = None
     hit: dict[str, float] = {}
-    if "mmkey" in rows or not args.no_fault:
-        with (
-            running_fleet(holders=1, segment_size=512 << 20) as fleet,
-            engines_running(workdir, "mmkey", model, mmkey_ec(fleet.master.address), args.engines) as engines,
-        ):
-            if "mmkey" in rows:
-                run_rows(["mmkey"], engines)
-            else:
-                warm(engines, model)
+    with ExitStack() as stack:
+        running: dict[str, list[Engine]] = {}
+        if "none" in rows or "in-engine" in rows:
+            running["plain"] = stack.enter_context(
+                engines_running(workdir, "plain", model, None, args.engines)
+            )
+        if "vllm-store" in rows:
+            storage = workdir / "ec-store"
+            storage.mkdir()
+            ec = {
+                "ec_connector": "ECExampleConnector",
+                "ec_role": "ec_both",
+                "ec_connector_extra_config": {"shared_storage_path": str(storage)},
+            }
+            running["store"] = stack.enter_context(engines_running(workdir, "store", model, ec, args.engines))
+        if "mmkey" in rows or not args.no_fault:
+            fleet = stack.enter_context(running_fleet(holders=1, segment_size=512 << 20))
+            ours = mmkey_ec(fleet.master.address)
+            running["mmkey"] = stack.enter_context(
+                engines_running(workdir, "mmkey", model, ours, args.engines)
+            )
+        for engines in running.values():
+            warm(engines, model)
+        for name, cell in loadgen.interleaved(rows, plan):
+            engines = running[groups[name]]
+            cells.append(asyncio.run(measure_cell(name, engines, model, traces[cell], bases[cell], *cell)))
+            loads.append(os.getloadavg()[0])
+        if "mmkey" in running:
             hit = hit_path(fleet.master.address, (IMAGE_TOKENS, 128))
             if not args.no_fault:
                 reuse, c = max(reuses), max(clients)
@@ -400,10 +407,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fleet.holders[0].pause()
                 try:
                     fault = asyncio.run(
-                        measure_cell("mmkey, store paused", engines, model, trace, 900_000, reuse, c)
+                        measure_cell("mmkey, store paused", running["mmkey"], model, trace, 900_000, reuse, c)
                     )
                 finally:
                     fleet.holders[0].resume()
+    cells.sort(key=lambda c: (rows.index(c.row), c.clients))  # the tables' order: by row
     report = serve_tables.Report(
         cells=[
             serve_tables.summarize(c.row, c.reuse, c.clients, c.outcomes, c.wall, c.counts) for c in cells

@@ -22,7 +22,10 @@ Each server encodes one request's image at a time (``SGLANG_ENCODER_MAX_BATCH_SI
 so a batch of n images costs about n squared images' time (SGLang's default of 8 halved the
 none row's requests/s from 1 to 16 clients), where a GPU's variable-length kernels cost n.
 
-Then mmkey with its holder paused (SIGSTOP: a store that stops answering) beside none. Tower
+Every row's servers run at once, and each cell runs all rows back to back, the first row
+turning from cell to cell (`loadgen.interleaved`): a shared host's speed drifts over minutes, and rows
+run minutes apart compared that drift, not the caches (at one client p99 is close to the
+slowest request). Then mmkey with its holder paused (SIGSTOP: a store that stops answering). Tower
 runs and tower time, and the bytes the store moved, come from counters in each server
 (`sglang_serve_worker`); the hit path (lookup, then a verified fetch into pool pages, through
 `MMKeyEmbeddingStore` as SGLang calls it) is timed in this process on the same store with an
@@ -44,7 +47,7 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -339,60 +342,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     hit: dict[str, float] = {}
     pool = ThreadPoolExecutor(max_workers=max(clients))
 
-    def run_rows(name: str, servers: Sequence[Any]) -> None:
-        warm(servers, images)
-        for cell in plan:
-            cells.append(
-                asyncio.run(measure_cell(name, servers, images, traces[cell], bases[cell], *cell, pool))
-            )
-            loads.append(os.getloadavg()[0])
-
     try:
-        with running_fleet(holders=1, segment_size=512 << 20) as fleet:
+        with running_fleet(holders=1, segment_size=512 << 20) as fleet, ExitStack() as stack:
             env = e2e.server_env(root, fleet.master.address, "cpu", stand_in)
             env["MOONCAKE_TIMEOUT"] = str(STORE_TIMEOUT)
             env["SGLANG_ENCODER_MAX_BATCH_SIZE"] = str(args.max_batch)
             plain = {k: v for k, v in env.items() if not k.startswith("MMKEY_")}
-            ours = dict(env, MMKEY_NAMESPACE=NAMESPACE)
-            if "none" in rows:
-                with servers_running(
-                    root, "none", model, plain, extra, False, args.servers, args.keep
-                ) as servers:
-                    run_rows("none", servers)
-            if "sglang" in rows:
-                with servers_running(
-                    root, "sglang", model, plain, extra, True, args.servers, args.keep
-                ) as servers:
-                    run_rows("sglang", servers)
-            if "mmkey" in rows or not args.no_fault:
-                with servers_running(
-                    root, "mmkey", model, ours, extra, True, args.servers, args.keep
-                ) as servers:
-                    if "mmkey" in rows:
-                        run_rows("mmkey", servers)
-                    else:
-                        warm(servers, images)
-                    hit = hit_path(fleet.master.address, root)
-                    if not args.no_fault:
-                        fleet.holders[0].pause()
-                        try:
-                            fault = asyncio.run(
-                                measure_cell(
-                                    "mmkey, store paused",
-                                    servers,
-                                    images,
-                                    fault_trace,
-                                    900_000,
-                                    max(reuses),
-                                    max(clients),
-                                    pool,
-                                )
+            configs = {
+                "none": (plain, False),  # no global cache
+                "sglang": (plain, True),  # SGLang's own Mooncake backend
+                "mmkey": (dict(env, MMKEY_NAMESPACE=NAMESPACE), True),
+            }
+            needed = [*rows, *(["mmkey"] if not args.no_fault and "mmkey" not in rows else [])]
+            running: dict[str, list[Any]] = {}
+            for name in needed:
+                server_env, global_cache = configs[name]
+                started_servers = servers_running(
+                    root, name, model, server_env, extra, global_cache, args.servers, args.keep
+                )
+                running[name] = stack.enter_context(started_servers)
+            for servers in running.values():
+                warm(servers, images)
+            for name, cell in loadgen.interleaved(rows, plan):
+                cells.append(
+                    asyncio.run(
+                        measure_cell(name, running[name], images, traces[cell], bases[cell], *cell, pool)
+                    )
+                )
+                loads.append(os.getloadavg()[0])
+            if "mmkey" in running:
+                servers = running["mmkey"]
+                hit = hit_path(fleet.master.address, root)
+                if not args.no_fault:
+                    fleet.holders[0].pause()
+                    try:
+                        fault = asyncio.run(
+                            measure_cell(
+                                "mmkey, store paused",
+                                servers,
+                                images,
+                                fault_trace,
+                                900_000,
+                                max(reuses),
+                                max(clients),
+                                pool,
                             )
-                            loads.append(os.getloadavg()[0])
-                        finally:
-                            fleet.holders[0].resume()
+                        )
+                        loads.append(os.getloadavg()[0])
+                    finally:
+                        fleet.holders[0].resume()
     finally:
         pool.shutdown()
+    cells.sort(key=lambda c: (rows.index(c.row), c.clients))  # the tables' order: by row
     report = report_of(
         cells,
         fault,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 __all__ = [
     "Outcome",
     "format_table",
+    "interleaved",
     "make_trace",
     "percentile",
     "replay",
@@ -50,6 +51,15 @@ def make_trace(requests: int, repeats: float, seed: int, *, zipf_s: float = 1.1)
             seen += 1
             weights.append(1.0 / seen**zipf_s)
     return trace
+
+
+def interleaved(
+    rows: Sequence[str], plan: Sequence[tuple[float, int]]
+) -> list[tuple[str, tuple[float, int]]]:
+    """The order the cells run in: every row of one cell back to back, the first row turning
+    from cell to cell, so that rows compare under the same state of a shared host (its load
+    drifts over minutes) and no row always runs first."""
+    return [(rows[(k + j) % len(rows)], cell) for k, cell in enumerate(plan) for j in range(len(rows))]
 
 
 def repeat_share(trace: Sequence[int]) -> float:

@@ -137,3 +137,15 @@ def test_summaries_and_targets() -> None:
     assert lines[3].endswith("bound none p99 + 1.0 s = 1191 ms (missed)")
     text = serve_tables.render(report, 576, "CLIP")
     assert "| mmkey, 4 clients | 10.0 | 20.0 |" in text and "load average up to 1.5" in text
+
+
+def test_rows_run_back_to_back_per_cell_and_take_turns_going_first() -> None:
+    rows = ["none", "sglang", "mmkey"]
+    plan = [(0.5, 1), (0.5, 4), (0.8, 1), (0.8, 4)]
+    order = loadgen.interleaved(rows, plan)
+    assert sorted(order) == sorted((row, cell) for row in rows for cell in plan)  # each once
+    for k, cell in enumerate(plan):
+        runs = order[3 * k : 3 * k + 3]
+        assert {c for _, c in runs} == {cell}, "a cell's rows run back to back"
+        assert runs[0][0] == rows[k % 3]
+    assert loadgen.interleaved(["mmkey"], plan) == [("mmkey", cell) for cell in plan]
