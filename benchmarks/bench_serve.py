@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import io
 import os
 import shutil
@@ -241,9 +242,19 @@ async def measure_cell(
     def sender(i: int, image: int) -> Callable[[], Awaitable[loadgen.Outcome]]:
         engine = engines[i % len(engines)]
         body = chat_body(model, base + image, f"r{base}-{i}" if fresh else None)
-        return lambda: loadgen.stream_post(
-            "127.0.0.1", engine.port, "/v1/chat/completions", body, REQUEST_TIMEOUT
-        )
+
+        async def send() -> loadgen.Outcome:
+            post = loadgen.stream_post(
+                "127.0.0.1", engine.port, "/v1/chat/completions", body, REQUEST_TIMEOUT
+            )
+            if clients != 1:
+                return await post
+            before = (await rpc(engine, "mmkey_counts"))[0]["tower_s"]  # one request at a time
+            done = await post
+            tower = (await rpc(engine, "mmkey_counts"))[0]["tower_s"] - before
+            return dataclasses.replace(done, tower=tower)
+
+        return send
 
     for image in set(trace):
         image_url(base + image)  # encoded before the clock starts

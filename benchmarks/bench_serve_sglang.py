@@ -147,10 +147,13 @@ class Images:
         return self._paths[seed]
 
 
-def encode_outcome(server: Any, req_id: str, path: str) -> loadgen.Outcome:
-    """One ``/encode`` and the wait for its embedding, as the load generator's outcome."""
+def encode_outcome(server: Any, req_id: str, path: str, timed: bool = False) -> loadgen.Outcome:
+    """One ``/encode`` and the wait for its embedding, as the load generator's outcome; with
+    `timed` (one request at a time), the seconds the server's tower ran for it too."""
+    before = counts(server)["tower_s"] if timed else 0.0
     done = e2e.encode(server, req_id, [path])
-    return loadgen.Outcome(done.seconds, done.seconds, done.status, done.error)
+    tower = counts(server)["tower_s"] - before if timed else None
+    return loadgen.Outcome(done.seconds, done.seconds, done.status, done.error, tower=tower)
 
 
 async def measure_cell(
@@ -171,7 +174,8 @@ async def measure_cell(
     def sender(i: int, image: int) -> Callable[[], Awaitable[loadgen.Outcome]]:
         server = servers[i % len(servers)]
         path = images(base + image)
-        return lambda: loop.run_in_executor(pool, encode_outcome, server, f"{row}-{base}-{i}", path)
+        req_id = f"{row}-{base}-{i}"
+        return lambda: loop.run_in_executor(pool, encode_outcome, server, req_id, path, clients == 1)
 
     sends = [sender(i, image) for i, image in enumerate(trace)]  # every picture made first
     outcomes, wall = await loadgen.replay(sends, clients)

@@ -100,6 +100,9 @@ class Outcome:
     status: int
     error: str = ""
     body: bytes = b""
+    tower: float | None = None
+    """Seconds the tower ran for this request, where known (one client at a time: the tower
+    counter's change over the request); ``None`` where not measured."""
 
     @property
     def ok(self) -> bool:

@@ -137,6 +137,22 @@ def test_summaries_and_targets() -> None:
     assert lines[3].endswith("bound none p99 + 1.0 s = 1191 ms (missed)")
     text = serve_tables.render(report, 576, "CLIP")
     assert "| mmkey, 4 clients | 10.0 | 20.0 |" in text and "load average up to 1.5" in text
+    assert "less its own tower time" not in text, "no request's tower time was measured"
+
+
+def test_one_clients_requests_less_their_own_tower_time() -> None:
+    timed = [loadgen.Outcome(v / 1e3, v / 1e3, 200, tower=t / 1e3) for v, t in [(110, 100), (15, 0)] * 50]
+    cell = serve_tables.summarize("mmkey", 0.5, 1, timed, 1.0, {"tower_images": 50.0, "tower_s": 5.0})
+    assert cell.beside == (pytest.approx(12.5), pytest.approx(15.0))
+    failed = [*timed, loadgen.Outcome(1.0, 1.0, 0, "refused")]  # a failure carries no tower time
+    assert serve_tables.summarize("mmkey", 0.5, 1, failed, 1.0, {}).beside == cell.beside
+    untimed = [*timed, loadgen.Outcome(0.2, 0.2, 200)]
+    assert serve_tables.summarize("mmkey", 0.5, 1, untimed, 1.0, {}).beside is None
+    report = serve_tables.Report(
+        cells=[cell], fault=None, hit_ms={}, timeout_s=1.0, load=0.5, minutes=1.0, engines=2, requests=100
+    )
+    text = serve_tables.render(report, 576, "CLIP")
+    assert "TTFT less its own tower time" in text and "| mmkey | 50% | 12.5 | 15.0 |" in text
 
 
 def test_rows_run_back_to_back_per_cell_and_take_turns_going_first() -> None:
