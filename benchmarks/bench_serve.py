@@ -337,7 +337,7 @@ ROW_ENGINES = {"none": "plain", "in-engine": "plain", "vllm-store": "store", "mm
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="24 requests a cell, 1 and 16 clients, 80%% reuse")
-    p.add_argument("--requests", type=int, default=48, help="requests per cell (default 48)")
+    p.add_argument("--requests", type=int, default=96, help="requests per cell (default 96)")
     p.add_argument("--clients", default="1,4,16", help="concurrencies (default 1,4,16)")
     p.add_argument("--reuse", default="0.5,0.8", help="shares of repeated images (default 0.5,0.8)")
     p.add_argument("--rows", default="none,in-engine,vllm-store,mmkey", help="rows to run")

@@ -197,15 +197,94 @@ def plot_table(table: Table, path: Path) -> None:
     plt.close(figure)
 
 
+_SHARE = re.compile(r"^(\d+)% of requests repeat an image:")
+_PAUSED = re.compile(r"holder paused")
+_CELL = re.compile(r"^\| (?P<row>[^|]+?), (?P<clients>\d+) clients \|(?P<cells>.*)\|$")
+
+
+@attrs.frozen
+class ServingCell:
+    """One row of a serving benchmark's tables: latency percentiles at one concurrency."""
+
+    section: str
+    """``"50% reuse"``, ``"80% reuse"`` or ``"holder paused"``."""
+    row: str
+    clients: int
+    p50: float
+    p99: float
+
+
+def serving_cells(text: str) -> list[ServingCell]:
+    """The cells of a serving benchmark's printout (``bench_serve``, ``bench_serve_sglang``):
+    each table's rows of ``"<row>, <n> clients"`` under the heading it follows."""
+    found: list[ServingCell] = []
+    section = ""
+    for line in text.splitlines():
+        share = _SHARE.match(line)
+        if share:
+            section = f"{share.group(1)}% reuse"
+        elif _PAUSED.search(line) and line.endswith(":"):
+            section = "holder paused"
+        cell = _CELL.match(line)
+        if cell and section:
+            numbers = [c.strip() for c in cell.group("cells").split("|")]
+            # requests/s, p50, p90, p99, ...: the table's second to fifth columns
+            row, clients = cell.group("row"), int(cell.group("clients"))
+            found.append(ServingCell(section, row, clients, float(numbers[1]), float(numbers[3])))
+    return found
+
+
+def plot_serving(cells: Sequence[ServingCell], path: Path, latency: str) -> None:
+    """Latency against concurrency, one panel per reuse level: each row's p50 (solid) and p99
+    (dashed), the paused-holder run as points, on a log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections = [s for s in dict.fromkeys(c.section for c in cells) if s != "holder paused"]
+    paused = [c for c in cells if c.section == "holder paused"]
+    size = (5 * len(sections), 4)
+    figure, panels = plt.subplots(1, len(sections), figsize=size, sharey=True, squeeze=False)
+    for axes, section in zip(panels[0], sections, strict=True):
+        shown = [c for c in cells if c.section == section]
+        for number, row in enumerate(dict.fromkeys(c.row for c in shown)):
+            points = sorted((c.clients, c.p50, c.p99) for c in shown if c.row == row)
+            colour = f"C{number}"
+            axes.plot([p[0] for p in points], [p[1] for p in points], "o-", color=colour, label=f"{row} p50")
+            axes.plot([p[0] for p in points], [p[2] for p in points], "s--", color=colour, label=f"{row} p99")
+        if section == sections[-1]:
+            for c in paused:
+                axes.plot([c.clients], [c.p99], "kx", markersize=9, label=f"{c.row} p99")
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        clients = sorted({c.clients for c in shown})
+        axes.set_xticks(clients, [str(n) for n in clients])
+        axes.set_xlabel("concurrent clients")
+        axes.set_title(section, fontsize=9)
+        axes.grid(True, which="both", alpha=0.3)
+    panels[0][0].set_ylabel(f"{latency} ms")
+    panels[0][-1].legend(fontsize=6, loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
 def plot_all(source: Path, target: Path) -> list[tuple[Path, Table]]:
-    """Plot every table of every ``*.txt`` in ``source`` into ``target``; what it drew."""
+    """Plot every table of every ``*.txt`` in ``source`` into ``target``, and each serving
+    benchmark's latencies (``<stem>-latency.png``); the tables it drew."""
     target.mkdir(parents=True, exist_ok=True)
     drawn = []
     for output in sorted(source.glob("*.txt")):
-        for number, table in enumerate(parse_tables(output.read_text()), start=1):
+        text = output.read_text()
+        for number, table in enumerate(parse_tables(text), start=1):
             path = target / f"{output.stem}-{number}.png"
             plot_table(table, path)
             drawn.append((path, table))
+        serving = serving_cells(text)
+        if serving:
+            latency = "TTFT" if "TTFT p50" in text else "/encode"
+            plot_serving(serving, target / f"{output.stem}-latency.png", latency)
     return drawn
 
 

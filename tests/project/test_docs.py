@@ -84,3 +84,43 @@ def test_every_recorded_benchmark_output_has_a_table_to_plot(output: Path, tmp_p
     assert tables
     plotter.plot_table(tables[0], tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+SERVING = """\
+50% of requests repeat an image:
+
+| configuration | requests/s | TTFT p50 ms | p90 ms | p99 ms | tower runs |
+|---|---|---|---|---|---|
+| none, 1 clients | 4.2 | 234.7 | 276.3 | 285.4 | 96 |
+| mmkey, 16 clients | 8.2 | 1622.3 | 2972.9 | 3715.6 | 48 |
+
+the store's holder paused (SIGSTOP):
+
+| configuration | requests/s | TTFT p50 ms | p90 ms | p99 ms | tower runs |
+|---|---|---|---|---|---|
+| mmkey, store paused, 16 clients | 6.6 | 1755.7 | 3892.5 | 4773.4 | 50 |
+"""
+
+
+def test_serving_tables_parse_into_latency_by_concurrency(tmp_path: Path) -> None:
+    plotter = _plotter()
+    cells = plotter.serving_cells(SERVING)
+    assert [(c.section, c.row, c.clients, c.p50, c.p99) for c in cells] == [
+        ("50% reuse", "none", 1, 234.7, 285.4),
+        ("50% reuse", "mmkey", 16, 1622.3, 3715.6),
+        ("holder paused", "mmkey, store paused", 16, 1755.7, 4773.4),
+    ]
+    assert plotter.serving_cells(MARKDOWN) == []
+
+
+SERVING_RUNS = sorted((DOCS / "benchmarks").glob("bench_serve*.txt"))
+
+
+@pytest.mark.parametrize("output", SERVING_RUNS, ids=lambda p: p.stem)
+def test_each_recorded_serving_run_is_drawn_and_shown(output: Path, tmp_path: Path) -> None:
+    plotter = _plotter()
+    cells = plotter.serving_cells(output.read_text())
+    assert {c.section for c in cells} == {"50% reuse", "80% reuse", "holder paused"}
+    plotter.plot_serving(cells, tmp_path / "latency.png", "ms")
+    assert (tmp_path / "latency.png").read_bytes().startswith(b"\x89PNG")
+    assert f"_generated/{output.stem}-latency.png" in (DOCS / "benchmarks.md").read_text()
