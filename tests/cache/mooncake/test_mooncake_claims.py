@@ -227,6 +227,8 @@ def test_a_master_fault_is_unclaimed_never_a_wait(monkeypatch: pytest.MonkeyPatc
             monkeypatch.setattr(cache._claims, "_pause", clock.advance)  # a wait would move the clock
             keys = fresh(2)
             master.fail_next("batch_put_session_start", code=-900)
+            assert cache.claim(keys[:1]) == [Claim.UNCLAIMED]
+            assert cache.health().breaker_open, "a master that did not answer is a master fault"
             assert cache.claim(keys) == [Claim.UNCLAIMED] * 2
             master.kill()
             start = clock()
@@ -271,6 +273,20 @@ def test_a_wait_backs_off_and_never_passes_its_bound() -> None:
             assert 1 / PROBE_EVERY_S - 2 <= probes <= 1 / PROBE_EVERY_S  # does a claim still stand?
             assert squatter.batch_put_session_start([lease_key(texts[0])], [8]) == [INVALID_PARAMS]
             squatter.close()
+
+
+def test_a_wait_whose_entries_all_landed_returns_without_a_pause() -> None:
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(master_server_address=master.address, local_buffer_size=4 * MiB)
+        with MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore) as cache:
+            texts = [k.to_key() for k in fresh(2)]
+            writer = a_client(master)
+            assert [writer.upsert(text, b"entry") for text in texts] == [0, 0]
+            clock = _Clock()
+            claims = Claims(cache._parts, clock=clock, pause=clock.pause)
+            assert claims.wait(texts, 1.0) == set(texts)
+            assert clock.pauses == [], "nothing left to wait for"
+            writer.close()
 
 
 def a_client(master: FakeMooncakeMaster) -> FakeMooncakeStore:
