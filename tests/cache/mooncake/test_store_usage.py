@@ -68,3 +68,12 @@ def test_reads_a_real_master(mooncake_master: MasterProcess) -> None:
         assert text is not None and len(_master_http.segment_names(text)) == 1
     finally:
         store.close()
+
+
+def test_usage_is_an_immutable_keyword_only_record() -> None:
+    usage = StoreUsage(keys=1, allocated_bytes=2, capacity_bytes=3, segments=1)
+    with pytest.raises(TypeError):
+        StoreUsage(1, 2, 3, 1)  # type: ignore[call-arg]  # four ints in a row are easy to swap
+    assert not hasattr(usage, "__dict__"), "slotted"
+    with pytest.raises(AttributeError):
+        usage.keys = 5  # type: ignore[misc]
