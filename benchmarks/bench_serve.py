@@ -380,7 +380,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells: list[Cell] = []
     loads: list[float] = []
 
-    groups = dict(ROW_ENGINES)
     fault: Cell | None = None
     hit: dict[str, float] = {}
     with ExitStack() as stack:
@@ -407,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for engines in running.values():
             warm(engines, model)
         for name, cell in loadgen.interleaved(rows, plan):
-            engines = running[groups[name]]
+            engines = running[ROW_ENGINES[name]]
             cells.append(asyncio.run(measure_cell(name, engines, model, traces[cell], bases[cell], *cell)))
             loads.append(os.getloadavg()[0])
         if "mmkey" in running:

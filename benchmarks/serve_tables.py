@@ -62,8 +62,8 @@ def summarize(
     counts: Mapping[str, float],
 ) -> Summary:
     """A cell's outcomes (time to first token over the requests that succeeded) and counters."""
-    ttft = [o.first * 1e3 for o in outcomes if o.ok] or [float("nan")]
     done = [o for o in outcomes if o.ok]
+    ttft = [o.first * 1e3 for o in done] or [float("nan")]
     beside = None
     if done and all(o.tower is not None for o in done):
         rest = [(o.first - (o.tower or 0.0)) * 1e3 for o in done]

@@ -23,16 +23,7 @@ from typing import Any
 
 __all__ = ["COUNTERS", "WAITS", "counts", "install"]
 
-COUNTERS = (
-    "tower_images",
-    "tower_s",
-    "loaded_items",
-    "loaded_bytes",
-    "loaded_s",
-    "saved_items",
-    "saved_bytes",
-    "saved_s",
-)
+COUNTERS = ("tower_images", "tower_s", "loaded_items", "loaded_bytes", "saved_items", "saved_bytes")
 _counts: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
 _lock = threading.Lock()
 
@@ -88,11 +79,10 @@ def _timed_tower(feature: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _counted_store(store: Any) -> Any:
-    """``store`` with its multi-buffer reads and writes counted (entries that landed, their
-    bytes, and the seconds the calls took)."""
-    for method, items, size, seconds in (
-        ("batch_get_into_multi_buffers", "loaded_items", "loaded_bytes", "loaded_s"),
-        ("batch_put_from_multi_buffers", "saved_items", "saved_bytes", "saved_s"),
+    """``store`` with its multi-buffer reads and writes counted (entries that landed, their bytes)."""
+    for method, items, size in (
+        ("batch_get_into_multi_buffers", "loaded_items", "loaded_bytes"),
+        ("batch_put_from_multi_buffers", "saved_items", "saved_bytes"),
     ):
         inner = getattr(store, method)
 
@@ -103,15 +93,12 @@ def _counted_store(store: Any) -> Any:
             _inner: Any = inner,
             _items: str = items,
             _size: str = size,
-            _seconds: str = seconds,
         ) -> list[bool]:
-            start = time.perf_counter()
             done: list[bool] = _inner(hashes, ptrs, sizes)
-            took = time.perf_counter() - start
             landed = [
                 s for s, ok in zip(sizes, done, strict=False) if ok
             ]  # a short answer: count what is there
-            _add(**{_items: len(landed), _size: sum(sum(s) for s in landed), _seconds: took})
+            _add(**{_items: len(landed), _size: sum(sum(s) for s in landed)})
             return done
 
         setattr(store, method, counted)

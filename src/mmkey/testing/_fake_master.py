@@ -426,16 +426,14 @@ class FakeMooncakeMaster:
                 if reservation is not None:
                     del self._reserved[key]
                 chosen = self._place(len(value), writer, replicas)
-                blocked = self._transfer_to(chosen)
-                if chosen and blocked is None:
+                blocked = self._transfer_to(chosen) if chosen else NO_AVAILABLE_HANDLE
+                if blocked is None:
                     self._objects[key] = _Object(value, chosen)
                     return OK
                 if old is not None:
                     self._objects[key] = old
                 if reservation is not None:
                     self._reserved[key] = reservation
-                if not chosen or blocked is None:
-                    return NO_AVAILABLE_HANDLE
                 if isinstance(blocked, int):
                     return blocked
             blocked.wait()
@@ -502,11 +500,7 @@ class FakeMooncakeMaster:
             obj.lease_until = self.clock() + self.lease_s
             holder = obj.holders[0]
             value = obj.value
-            unreachable = holder in self._unreachable
-            paused = self._paused.get(holder)
-        if paused is not None:
-            paused.wait()
-        return TRANSFER_FAIL if unreachable else value
+        return value if self._await_holders([holder]) else TRANSFER_FAIL
 
     def _look(self, key: str) -> _Object | None:
         with self._lock:

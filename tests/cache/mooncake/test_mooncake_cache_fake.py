@@ -421,7 +421,8 @@ def test_a_write_to_a_paused_holder_lands_on_resume_and_to_an_unreachable_one_ch
         answers: list[int] = []
         writer = threading.Thread(target=lambda: answers.append(client.upsert("k", b"v" * 8)))
         writer.start()
-        writer.join(0.2)
+        assert wait_until(lambda: master.calls["upsert"] == 1, 10), "the put reached the master"
+        writer.join(0.2)  # a put that did not wait would be done by now (it is a dict update)
         assert writer.is_alive() and master.keys() == [], "waiting on the paused holder, nothing stored"
         master.resume_holder(holder.endpoint)
         writer.join(10)

@@ -438,3 +438,18 @@ def test_a_timed_out_write_that_lands_late_lifts_the_hold_at_once(
         assert c.insert_batch([key(44)], [torch.ones(4)]) == [True]
         got = c.get_embeddings([key(43), key(44)])
         assert all(g is not None and torch.equal(g, torch.ones(4)) for g in got)
+
+
+def test_a_write_cut_off_by_its_callers_short_bound_does_not_hold_writes_off(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    """A write given less than half the timeout (what is left of a call that waited for
+    reserved keys) that runs out says nothing about the holder, as with a lookup."""
+    with MooncakeCache(settings(master), keyring=None, store_class=store_class(hangs), clock=clock) as c:
+        hangs.hang("batch_upsert_from", seconds=TIMEOUT / 3)  # past its bound, within the timeout
+        text = key(45).to_key()
+        assert c._writer.write([text], [torch.ones(4)], clock() + TIMEOUT / 4) == {}
+        assert not c.health().writes_held
+        hangs.release()
+        assert wait_until(lambda: c.health().busy_lanes == 0, 10)
+        assert c.insert_batch([key(46)], [torch.ones(4)]) == [True]

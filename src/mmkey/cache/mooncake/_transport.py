@@ -11,9 +11,9 @@ set-up, within ``setup_timeout``, so no call pays for it. The binding serves ove
 calls from several threads (measured; the fleet tests run them). The breaker is about the
 master: it opens when a metadata call fails or times out. A transfer that fails or times
 out quarantines the holder it went to instead. A write's holder is not known before it goes
-(the master places it), so a write that times out or fails in transfer opens the *write
-breaker* instead (`write_breaker`): writes are then skipped, one trial every `retry_after`,
-until one lands or a timed-out one completes late.
+(the master places it), so a write that times out opens the *write breaker* instead
+(`write_breaker`): writes are then skipped, one trial every `retry_after`, until one lands or
+the timed-out one completes late.
 
 Mooncake's ``setup()`` and ``close()`` hold the GIL, so while they run every thread of the
 process stops; neither is called unless the master has just answered a request on its RPC
@@ -201,8 +201,8 @@ class StoreTransport:
         self.breaker = Breaker(config.retry_after, clock)
         self.quarantine = Quarantine(config.retry_after, clock)
         self.write_breaker = Breaker(config.retry_after, clock)
-        """Open after a write timed out or failed in transfer (a hung or lost holder): while
-        open writes are skipped, so no write queues on a holder that does not answer."""
+        """Open after a write timed out (a hung holder, or master): while open, writes are
+        skipped, so no write queues on a holder that does not answer."""
         self._store: MooncakeDistributedStore | None = None  # set on the metadata lane only
         self._regions: list[Region] = []  # registered at set-up, and then as they come
         self._registered: set[int] = set()  # start addresses registered (metadata lane only)
@@ -302,7 +302,7 @@ class StoreTransport:
         error but no fault of the master: the caller's own bound ended it, and on a busy host
         a live master can take longer than that.
         """
-        short = give_up - self.clock() < self._config.timeout / 2
+        short = self.cut_short(give_up)
         if self._meta.is_stuck(self._config.timeout):
             self._on_skip()
             return _STUCK
@@ -322,6 +322,11 @@ class StoreTransport:
         elif isinstance(outcome.error, Exception):  # not a store fault (e.g. MemoryError)
             self._on_error()
         return outcome
+
+    def cut_short(self, give_up: float) -> bool:
+        """Whether a call given until `give_up` has less than half the timeout: if it runs
+        out, its caller's own bound ended it, which says nothing about the store."""
+        return give_up - self.clock() < self._config.timeout / 2
 
     def pick_lane(self, taken: set[int]) -> TransferLane | None:
         """A transfer lane for one more transfer: an idle one first, else one whose call is

@@ -226,12 +226,13 @@ class Writer:
 
     def _finish(self, pending: Pending[dict[str, Added]], give_up: float) -> Outcome[dict[str, Added]]:
         """The outcome of a submitted write, told to the write breaker: a write that timed out
-        opens it (its holder hangs, or the master does); one that stored an entry, in time or
-        late, closes it."""
+        with at least half the timeout to run opens it (its holder hangs, or the master does);
+        one that stored an entry, in time or late, closes it."""
+        short = self._transport.cut_short(give_up)
         outcome = self._transport.finish(pending, give_up, abandoned=self._landed)
         if isinstance(outcome, Done):
             self._landed(outcome.value)
-        elif outcome.why is Why.TIMED_OUT:
+        elif outcome.why is Why.TIMED_OUT and not short:
             self._transport.write_breaker.failure()
         return outcome
 
