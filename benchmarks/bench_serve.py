@@ -17,8 +17,11 @@ seeded trace with Zipf-like image reuse at 1, 4 and 16 concurrent clients. Rows:
 
 Every configuration's engines run at once, and each cell runs all rows back to back, the first
 row turning from cell to cell (`loadgen.interleaved`): a shared host's speed drifts over
-minutes, and rows run minutes apart compared that drift (at one client p99 is close to the
-slowest request). Then mmkey with its holder paused (SIGSTOP: a store that stops answering). Tower
+minutes, and rows run minutes apart compared that drift. At one client, where p99 is close to
+the slowest request, the rows take turns request by request (`loadgen.turns`; in-engine, on
+none's engines, runs after them) and every engine runs on one core, the rest of the benchmark
+on the other (`loadgen.servers_on_one_core`): the speed of this host's cores drifts within
+seconds and differs between them. Then mmkey with its holder paused (SIGSTOP: a store that stops answering). Tower
 runs and tower time come from a forward hook in each engine (`serve_worker`), bytes moved from
 the connector calls there; the hit path (lookup, fetch, verify) is timed on the same store
 with an entry of the tower's output size. Absolute times are this CPU's; ratios are the claim.
@@ -225,18 +228,11 @@ class Cell:
     counts: dict[str, float]
 
 
-async def measure_cell(
-    row: str,
-    engines: Sequence[Engine],
-    model: Path,
-    trace: Sequence[int],
-    base: int,
-    reuse: float,
-    clients: int,
-) -> Cell:
-    """Replay ``trace`` (image ``base + id``) over ``engines`` (alternating); the engines'
-    counter deltas (tower images and seconds, bytes loaded and saved, items loaded)."""
-    before = [await rpc(e, "mmkey_counts") for e in engines]
+def sends_of(
+    row: str, engines: Sequence[Engine], model: Path, trace: Sequence[int], base: int, timed: bool
+) -> list[Callable[[], Awaitable[loadgen.Outcome]]]:
+    """One send per request of ``trace`` (image ``base + id``), alternating over ``engines``;
+    with `timed` (one request at a time), each outcome has its own tower time."""
     fresh = row == "none"
 
     def sender(i: int, image: int) -> Callable[[], Awaitable[loadgen.Outcome]]:
@@ -247,9 +243,9 @@ async def measure_cell(
             post = loadgen.stream_post(
                 "127.0.0.1", engine.port, "/v1/chat/completions", body, REQUEST_TIMEOUT
             )
-            if clients != 1:
+            if not timed:
                 return await post
-            before = (await rpc(engine, "mmkey_counts"))[0]["tower_s"]  # one request at a time
+            before = (await rpc(engine, "mmkey_counts"))[0]["tower_s"]
             done = await post
             tower = (await rpc(engine, "mmkey_counts"))[0]["tower_s"] - before
             return dataclasses.replace(done, tower=tower)
@@ -258,14 +254,73 @@ async def measure_cell(
 
     for image in set(trace):
         image_url(base + image)  # encoded before the clock starts
-    outcomes, wall = await loadgen.replay([sender(i, img) for i, img in enumerate(trace)], clients)
-    await asyncio.sleep(0.5)  # background saves of the last requests land in the counters
-    after = [await rpc(e, "mmkey_counts") for e in engines]
-    counts: dict[str, float] = {}
+    return [sender(i, img) for i, img in enumerate(trace)]
+
+
+async def snapshot(engines: Sequence[Engine]) -> list[dict[str, float]]:
+    """Each engine's counters (`serve_worker`)."""
+    return [(await rpc(e, "mmkey_counts"))[0] for e in engines]
+
+
+def deltas(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]) -> dict[str, float]:
+    """What the counters gained from ``before`` to ``after`` (summed over the engines)."""
+    gained: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
-        for k in a[0]:
-            counts[k] = counts.get(k, 0) + a[0][k] - b[0][k]
-    return Cell(row, reuse, clients, outcomes, wall, counts)
+        for k in a:
+            gained[k] = gained.get(k, 0) + a[k] - b[k]
+    return gained
+
+
+def taking_turns(rows: Sequence[str]) -> list[str]:
+    """The rows (in this order) that take turns at one client: each whose engines (`ROW_ENGINES`)
+    no row before it uses."""
+    together: list[str] = []
+    for row in rows:
+        if ROW_ENGINES[row] not in {ROW_ENGINES[r] for r in together}:
+            together.append(row)
+    return together
+
+
+async def measure_cells(
+    rows: Sequence[str],
+    running: dict[str, list[Engine]],
+    model: Path,
+    trace: Sequence[int],
+    base: int,
+    reuse: float,
+    clients: int,
+) -> list[Cell]:
+    """Replay ``trace`` for each row (in this order) over its engines (`ROW_ENGINES`), with the
+    engines' counter deltas (tower images and seconds, bytes loaded and saved, items loaded).
+    At one client the rows take turns request by request (`loadgen.turns`) with every engine
+    on one core (`loadgen.servers_on_one_core`); a row whose engines a row before it in the
+    turns uses (in-engine after none) runs after them, alone. At more clients, one row after
+    another."""
+    groups = {row: ROW_ENGINES[row] for row in rows}
+    together = taking_turns(rows) if clients == 1 else []
+    cells: dict[str, Cell] = {}
+    if together:
+        pids = list({e.proc.pid for row in together for e in running[groups[row]]})
+        before = {row: await snapshot(running[groups[row]]) for row in together}
+        sends = [(row, sends_of(row, running[groups[row]], model, trace, base, True)) for row in together]
+        with loadgen.servers_on_one_core(pids):
+            done = await loadgen.turns(sends)
+        await asyncio.sleep(0.5)  # background saves of the last requests land in the counters
+        for row in together:
+            gained = deltas(before[row], await snapshot(running[groups[row]]))
+            cells[row] = Cell(row, reuse, clients, *done[row], gained)
+    for row in (r for r in rows if r not in together):
+        engines = running[groups[row]]
+        before_row = await snapshot(engines)
+        sent = sends_of(row, engines, model, trace, base, clients == 1)
+        if clients == 1:
+            with loadgen.servers_on_one_core([e.proc.pid for e in engines]):
+                outcomes, wall = await loadgen.replay(sent, 1)
+        else:
+            outcomes, wall = await loadgen.replay(sent, clients)
+        await asyncio.sleep(0.5)
+        cells[row] = Cell(row, reuse, clients, outcomes, wall, deltas(before_row, await snapshot(engines)))
+    return [cells[row] for row in rows]
 
 
 def warm(engines: Sequence[Engine], model: Path) -> None:
@@ -405,9 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         for engines in running.values():
             warm(engines, model)
-        for name, cell in loadgen.interleaved(rows, plan):
-            engines = running[ROW_ENGINES[name]]
-            cells.append(asyncio.run(measure_cell(name, engines, model, traces[cell], bases[cell], *cell)))
+        for cell, order in loadgen.by_cell(loadgen.interleaved(rows, plan)):
+            cells += asyncio.run(measure_cells(order, running, model, traces[cell], bases[cell], *cell))
             loads.append(os.getloadavg()[0])
         if "mmkey" in running:
             hit = hit_path(fleet.master.address, (IMAGE_TOKENS, 128))
@@ -416,9 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 trace = loadgen.make_trace(args.requests, reuse, args.seed + 99)
                 fleet.holders[0].pause()
                 try:
-                    fault = asyncio.run(
-                        measure_cell("mmkey, store paused", running["mmkey"], model, trace, 900_000, reuse, c)
-                    )
+                    paused = asyncio.run(measure_cells(["mmkey"], running, model, trace, 900_000, reuse, c))
+                    fault = dataclasses.replace(paused[0], row="mmkey, store paused")
                 finally:
                     fleet.holders[0].resume()
     cells.sort(key=lambda c: (rows.index(c.row), c.clients))  # the tables' order: by row

@@ -24,8 +24,11 @@ none row's requests/s from 1 to 16 clients), where a GPU's variable-length kerne
 
 Every row's servers run at once, and each cell runs all rows back to back, the first row
 turning from cell to cell (`loadgen.interleaved`): a shared host's speed drifts over minutes, and rows
-run minutes apart compared that drift, not the caches (at one client p99 is close to the
-slowest request). Then mmkey with its holder paused (SIGSTOP: a store that stops answering). Tower
+run minutes apart compared that drift, not the caches. At one client, where p99 is close to the
+slowest request, the rows take turns request by request (`loadgen.turns`) and every server
+runs on one core, the rest of the benchmark on the other (`loadgen.servers_on_one_core`): the
+speed of this host's cores drifts within seconds and differs between them, and a row whose
+servers the scheduler kept on the slower core ran its tower 20% slower. Then mmkey with its holder paused (SIGSTOP: a store that stops answering). Tower
 runs and tower time, and the bytes the store moved, come from counters in each server
 (`sglang_serve_worker`); the hit path (lookup, then a verified fetch into pool pages, through
 `MMKeyEmbeddingStore` as SGLang calls it) is timed in this process on the same store with an
@@ -48,7 +51,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -156,36 +159,61 @@ def encode_outcome(server: Any, req_id: str, path: str, timed: bool = False) -> 
     return loadgen.Outcome(done.seconds, done.seconds, done.status, done.error, tower=tower)
 
 
-async def measure_cell(
+def sends_of(
     row: str,
     servers: Sequence[Any],
     images: Images,
     trace: Sequence[int],
     base: int,
-    reuse: float,
-    clients: int,
+    timed: bool,
     pool: ThreadPoolExecutor,
-) -> Cell:
-    """Replay ``trace`` (image ``base + id``) over ``servers`` (alternating); the servers'
-    counter deltas (tower images and seconds, entries and bytes the store moved)."""
-    before = [counts(s) for s in servers]
+) -> list[Callable[[], Awaitable[loadgen.Outcome]]]:
+    """One send per request of ``trace`` (image ``base + id``), alternating over ``servers``;
+    with `timed` (one request at a time), each outcome has its own tower time."""
     loop = asyncio.get_running_loop()
 
     def sender(i: int, image: int) -> Callable[[], Awaitable[loadgen.Outcome]]:
         server = servers[i % len(servers)]
         path = images(base + image)
         req_id = f"{row}-{base}-{i}"
-        return lambda: loop.run_in_executor(pool, encode_outcome, server, req_id, path, clients == 1)
+        return lambda: loop.run_in_executor(pool, encode_outcome, server, req_id, path, timed)
 
-    sends = [sender(i, image) for i, image in enumerate(trace)]  # every picture made first
-    outcomes, wall = await loadgen.replay(sends, clients)
-    await asyncio.sleep(0.5)  # background puts of the last requests land in the counters
-    after = [counts(s) for s in servers]
+    return [sender(i, image) for i, image in enumerate(trace)]  # every picture made first
+
+
+def counter_deltas(before: Sequence[dict[str, float]], servers: Sequence[Any]) -> dict[str, float]:
+    """What the servers' counters gained since ``before`` (summed over the servers)."""
     deltas: dict[str, float] = {}
-    for b, a in zip(before, after, strict=True):
+    for b, a in zip(before, [counts(s) for s in servers], strict=True):
         for k in a:
             deltas[k] = deltas.get(k, 0.0) + a[k] - b[k]
-    return Cell(row, reuse, clients, outcomes, wall, deltas)
+    return deltas
+
+
+async def measure_cells(
+    rows: Sequence[str],
+    running: dict[str, list[Any]],
+    images: Images,
+    trace: Sequence[int],
+    base: int,
+    reuse: float,
+    clients: int,
+    pool: ThreadPoolExecutor,
+) -> list[Cell]:
+    """Replay ``trace`` for each row (in this order) over its servers; with the servers' counter
+    deltas (tower images and seconds, entries and bytes the store moved). At one client the
+    rows take turns request by request (`loadgen.turns`) with every server on one core
+    (`loadgen.servers_on_one_core`); at more, one row after another."""
+    before = {row: [counts(s) for s in running[row]] for row in rows}
+    sends = {row: sends_of(row, running[row], images, trace, base, clients == 1, pool) for row in rows}
+    if clients == 1:
+        pids = [server.process.pid for row in rows for server in running[row]]
+        with loadgen.servers_on_one_core(pids):
+            done = await loadgen.turns([(row, sends[row]) for row in rows])
+    else:
+        done = {row: await loadgen.replay(sends[row], clients) for row in rows}
+    await asyncio.sleep(0.5)  # background puts of the last requests land in the counters
+    return [Cell(row, reuse, clients, *done[row], counter_deltas(before[row], running[row])) for row in rows]
 
 
 def warm(servers: Sequence[Any], images: Images) -> None:
@@ -367,23 +395,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 running[name] = stack.enter_context(started_servers)
             for servers in running.values():
                 warm(servers, images)
-            for name, cell in loadgen.interleaved(rows, plan):
-                cells.append(
-                    asyncio.run(
-                        measure_cell(name, running[name], images, traces[cell], bases[cell], *cell, pool)
-                    )
+            for cell, order in loadgen.by_cell(loadgen.interleaved(rows, plan)):
+                cells += asyncio.run(
+                    measure_cells(order, running, images, traces[cell], bases[cell], *cell, pool)
                 )
                 loads.append(os.getloadavg()[0])
             if "mmkey" in running:
-                servers = running["mmkey"]
                 hit = hit_path(fleet.master.address, root)
                 if not args.no_fault:
                     fleet.holders[0].pause()
                     try:
-                        fault = asyncio.run(
-                            measure_cell(
-                                "mmkey, store paused",
-                                servers,
+                        (paused,) = asyncio.run(
+                            measure_cells(
+                                ["mmkey"],
+                                running,
                                 images,
                                 fault_trace,
                                 900_000,
@@ -392,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 pool,
                             )
                         )
+                        fault = replace(paused, row="mmkey, store paused")
                         loads.append(os.getloadavg()[0])
                     finally:
                         fleet.holders[0].resume()

@@ -5,29 +5,35 @@ repeats drawn Zipf-like from the images already seen (the first seen is the most
 client speaks HTTP/1.1 to loopback addresses only, one connection per request, and times a
 streamed response's first chunk (time to first token) and its end. `replay` keeps at most
 ``clients`` requests in flight (closed loop: each client sends its next request when its last
-one ended).
+one ended); `turns` sends several rows' requests one at a time, the rows taking turns, and
+`servers_on_one_core` runs their servers on one core while it does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import math
+import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "Outcome",
+    "by_cell",
     "format_table",
     "interleaved",
     "make_trace",
     "percentile",
     "replay",
     "repeat_share",
+    "servers_on_one_core",
     "stream_post",
+    "turns",
 ]
 
 
@@ -60,6 +66,14 @@ def interleaved(
     from cell to cell, so that rows compare under the same state of a shared host (its load
     drifts over minutes) and no row always runs first."""
     return [(rows[(k + j) % len(rows)], cell) for k, cell in enumerate(plan) for j in range(len(rows))]
+
+
+def by_cell(order: Sequence[tuple[str, tuple[float, int]]]) -> list[tuple[tuple[float, int], list[str]]]:
+    """`interleaved`'s order as each cell with its rows, in the order they run."""
+    cells: dict[tuple[float, int], list[str]] = {}
+    for row, cell in order:
+        cells.setdefault(cell, []).append(row)
+    return list(cells.items())
 
 
 def repeat_share(trace: Sequence[int]) -> float:
@@ -185,3 +199,90 @@ async def replay(
     await asyncio.gather(*(client() for _ in range(min(clients, len(requests)))))
     wall = time.perf_counter() - start
     return [o for o in outcomes if o is not None], wall
+
+
+async def turns(
+    rows: Sequence[tuple[str, Sequence[Callable[[], Awaitable[Outcome]]]]],
+) -> dict[str, tuple[list[Outcome], float]]:
+    """Every row's requests one at a time, the rows taking turns: request i of each row before
+    request i + 1 of any, the row that goes first turning with each i, so that each row's i-th
+    request meets the host as the others' did (at one client a row's p99 is close to its
+    slowest request, and a shared host's speed drifts within seconds). Each row's outcomes (in
+    its order) and the seconds its own requests took in all."""
+    names = [name for name, _ in rows]
+    if len(set(names)) != len(names):
+        raise ValueError("turns: each row once")
+    done: dict[str, tuple[list[Outcome], float]] = {name: ([], 0.0) for name in names}
+    for i in range(max((len(sends) for _, sends in rows), default=0)):
+        for j in range(len(rows)):
+            name, sends = rows[(i + j) % len(rows)]
+            if i < len(sends):
+                start = time.perf_counter()
+                outcome = await sends[i]()
+                outcomes, seconds = done[name]
+                outcomes.append(outcome)
+                done[name] = (outcomes, seconds + time.perf_counter() - start)
+    return done
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux ``/proc``)."""
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every process below it."""
+    tree, queue = [], [pid]
+    while queue:
+        tree.append(queue.pop())
+        queue.extend(_children(tree[-1]))
+    return tree
+
+
+def _pin(pids: Sequence[int], cpus: set[int]) -> None:
+    """Every thread of the processes `pids` on `cpus` (threads and processes gone meanwhile skipped)."""
+    for pid in pids:
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), cpus)
+
+
+@contextlib.contextmanager
+def servers_on_one_core(servers: Sequence[int]) -> Iterator[int | None]:
+    """Every thread of the process trees of `servers` (pids) on one CPU, the last this process
+    may use, and this process and its other children (a store's master and holders) on the
+    rest; each back on every CPU this process may use afterwards. At one client the towers of
+    all rows then run on the same core: the rows compare the caches, not which core (of a
+    shared host's, whose speeds differ) the scheduler kept a server on. Yields the CPU, or
+    ``None`` where nothing moves (one CPU, or no ``sched_setaffinity``)."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        yield None
+        return
+    core = max(allowed)
+    pinned = [pid for server in servers for pid in _tree(server)]
+    others = [pid for pid in _tree(os.getpid()) if pid not in set(pinned)]
+    _pin(pinned, {core})
+    _pin(others, allowed - {core})
+    try:
+        yield core
+    finally:
+        _pin([pid for server in servers for pid in _tree(server)], allowed)
+        _pin(_tree(os.getpid()), allowed)

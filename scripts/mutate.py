@@ -12,13 +12,17 @@ test run per mutant), so not part of ``make test``; run it by hand, e.g.::
 ``--every N`` samples one mutant in N, ``--start`` skips the first ones, ``--only`` tries the
 ones named by their ``#``, ``--list`` only prints the mutants, ``--python`` runs the tests with
 another interpreter (a stack's environment, e.g. ``.venv-sglang/bin/python``; by default this
-one). Exit status 1 when a mutant survives.
+one). ``--select`` first runs the tests once with ``scripts/_lines_by_test.py`` to learn which
+tests run each line, then runs only those for a mutant on it (all of them for a line run at
+import or by no test: a child process's lines are not traced). Exit status 1 when a mutant
+survives.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -117,6 +121,17 @@ def mutants(path: Path) -> list[tuple[int, str]]:
     return [(getattr(node, "lineno", 0), what) for node, what in _sites(tree)]
 
 
+def spans(path: Path) -> list[range]:
+    """The lines each mutant of the module at `path` spans."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node, _ in _sites(tree):
+        first: int = getattr(node, "lineno", 0)
+        last: int | None = getattr(node, "end_lineno", None)
+        found.append(range(first, (last or first) + 1))
+    return found
+
+
 def mutated(path: Path, index: int) -> str:
     """The source of `path` with mutant `index` applied."""
     tree = ast.parse(path.read_text())
@@ -125,16 +140,42 @@ def mutated(path: Path, index: int) -> str:
     return ast.unparse(ast.fix_missing_locations(changed))
 
 
-def run_tests(src: Path, tests: list[str], timeout: float, python: str = sys.executable) -> bool:
-    """Whether the tests pass against the source tree `src`, run by the interpreter `python`."""
+Lines = dict[str, dict[str, list[str]]]
+
+
+def run_tests(
+    src: Path,
+    tests: list[str],
+    timeout: float,
+    python: str = sys.executable,
+    trace: tuple[list[Path], Path] | None = None,
+) -> bool:
+    """Whether the tests pass against the source tree `src`, run by the interpreter `python`;
+    with `trace` (modules, out), the map of which tests ran each line of them is written to out."""
     env = {**os.environ, "PYTHONPATH": str(src), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTHONPYCACHEPREFIX", None)
-    command = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    plugin: list[str] = []
+    if trace is not None:
+        watched, out = trace
+        env["PYTHONPATH"] += os.pathsep + str(ROOT / "scripts")
+        env["MMKEY_LINES_WATCH"] = os.pathsep.join(map(str, watched))
+        env["MMKEY_LINES_OUT"] = str(out)
+        plugin = ["-p", "_lines_by_test"]
+    command = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *plugin, *tests]
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return False  # a mutant that hangs the tests is killed
     return done.returncode == 0
+
+
+def covering(lines: dict[str, list[str]], span: range, every: list[str]) -> list[str]:
+    """The tests to run for a mutant on the lines `span`: those that ran them, in run order, or
+    `every` test when one of the lines ran outside a test or no test ran them."""
+    ran = [test for line in span for test in lines.get(str(line), [])]
+    if not ran or "<import>" in ran:
+        return every
+    return list(dict.fromkeys(ran))
 
 
 def main() -> int:
@@ -147,19 +188,24 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test run")
     parser.add_argument("--list", action="store_true", help="print the mutants and stop")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the tests")
+    parser.add_argument("--select", action="store_true", help="run only the tests that run a mutant's lines")
     args = parser.parse_args()
     survivors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="mmkey-mutate-") as scratch:
         copy = Path(scratch) / "src"
         shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__"))
-        if not args.list and not run_tests(copy, args.tests, args.timeout, args.python):
+        inside_of = {m: copy / m.resolve().relative_to(ROOT / "src") for m in args.modules}
+        traced = Path(scratch) / "lines.json"
+        trace = (list(inside_of.values()), traced) if args.select else None
+        if not args.list and not run_tests(copy, args.tests, args.timeout, args.python, trace):
             print("the tests fail without a mutant: fix them first", file=sys.stderr)
             return 2
+        lines: Lines = json.loads(traced.read_text()) if args.select and not args.list else {}
         for module in args.modules:
             path = module.resolve()
-            inside = copy / path.relative_to(ROOT / "src")
+            inside = inside_of[module]
             original = inside.read_text()
-            found = mutants(path)
+            found, lines_of = mutants(path), spans(path)
             chosen = args.only or range(args.start, len(found), args.every)
             for index in chosen:
                 line, what = found[index]
@@ -167,10 +213,14 @@ def main() -> int:
                 if args.list:
                     print(name)
                     continue
+                tests = args.tests
+                if args.select:
+                    tests = covering(lines.get(str(inside), {}), lines_of[index], args.tests)
+                    name += " [all]" if tests is args.tests else f" [{len(tests)} tests]"
                 inside.write_text(mutated(path, index))
                 started = time.monotonic()
                 try:
-                    killed = not run_tests(copy, args.tests, args.timeout, args.python)
+                    killed = not run_tests(copy, tests, args.timeout, args.python)
                 finally:
                     inside.write_text(original)
                 verdict = "killed" if killed else "SURVIVED"

@@ -22,3 +22,9 @@ def test_rows_name_their_engines_and_unknown_rows_are_refused(capsys: pytest.Cap
     with pytest.raises(SystemExit):
         bench.parse_args(["--rows", "none,sglang"])
     assert "unknown rows: sglang" in capsys.readouterr().err
+
+
+def test_at_one_client_rows_on_engines_of_their_own_take_turns() -> None:
+    assert bench.taking_turns(["none", "in-engine", "vllm-store", "mmkey"]) == ["none", "vllm-store", "mmkey"]
+    assert bench.taking_turns(["in-engine", "mmkey", "none"]) == ["in-engine", "mmkey"]
+    assert bench.taking_turns(["mmkey"]) == ["mmkey"]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +168,80 @@ def test_rows_run_back_to_back_per_cell_and_take_turns_going_first() -> None:
         assert {c for _, c in runs} == {cell}, "a cell's rows run back to back"
         assert runs[0][0] == rows[k % 3]
     assert loadgen.interleaved(["mmkey"], plan) == [("mmkey", cell) for cell in plan]
+
+
+def test_by_cell_groups_each_cell_with_its_rows_in_running_order() -> None:
+    rows = ["none", "sglang", "mmkey"]
+    plan = [(0.5, 1), (0.8, 16)]
+    assert loadgen.by_cell(loadgen.interleaved(rows, plan)) == [
+        ((0.5, 1), ["none", "sglang", "mmkey"]),
+        ((0.8, 16), ["sglang", "mmkey", "none"]),
+    ]
+
+
+def test_rows_take_turns_one_request_at_a_time_the_first_row_turning() -> None:
+    sent: list[str] = []
+    in_flight: list[int] = [0]
+
+    def send(tag: str) -> Any:
+        async def go() -> Any:
+            in_flight[0] += 1
+            assert in_flight[0] == 1, "one request at a time"
+            sent.append(tag)
+            await asyncio.sleep(0)
+            in_flight[0] -= 1
+            return loadgen.Outcome(0.0, 0.0, 200, body=tag.encode())
+
+        return go
+
+    rows = [(row, [send(f"{row}{i}") for i in range(n)]) for row, n in (("a", 3), ("b", 3), ("c", 2))]
+    done = asyncio.run(loadgen.turns(rows))
+    assert sent == ["a0", "b0", "c0", "b1", "c1", "a1", "a2", "b2"]  # c has only two
+    assert [o.body for o in done["a"][0]] == [b"a0", b"a1", b"a2"], "each row's outcomes in its order"
+    assert [len(done[r][0]) for r in "abc"] == [3, 3, 2]
+    assert all(seconds >= 0.0 for _, seconds in done.values())
+    with pytest.raises(ValueError, match="each row once"):
+        asyncio.run(loadgen.turns([("a", []), ("a", [])]))
+
+
+def test_a_rows_seconds_are_the_time_its_own_requests_took() -> None:
+    def slow(seconds: float) -> Any:
+        async def go() -> Any:
+            await asyncio.sleep(seconds)
+            return loadgen.Outcome(seconds, seconds, 200)
+
+        return go
+
+    done = asyncio.run(loadgen.turns([("quick", [slow(0.0)] * 2), ("slow", [slow(0.05)] * 2)]))
+    assert done["slow"][1] >= 0.1
+    assert done["quick"][1] < done["slow"][1]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs"
+)
+def test_servers_run_on_one_core_and_the_rest_beside_them_then_everything_moves_back() -> None:
+    allowed = os.sched_getaffinity(0)
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    server = subprocess.Popen([sys.executable, "-c", code])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while len(os.listdir(f"/proc/{server.pid}/task")) < 2:  # its second thread started
+            assert time.monotonic() < deadline, "the server's thread never started"
+            time.sleep(0.01)
+
+        def cpus(pid: int) -> set[frozenset[int]]:
+            return {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+
+        with loadgen.servers_on_one_core([server.pid]) as core:
+            assert core == max(allowed)
+            assert cpus(server.pid) == {frozenset({core})}, "every thread of the server"
+            assert cpus(other.pid) == {frozenset(allowed - {core})}, "another child of this process"
+            assert cpus(os.getpid()) == {frozenset(allowed - {core})}
+        for pid in (server.pid, other.pid, os.getpid()):
+            assert cpus(pid) == {frozenset(allowed)}
+    finally:
+        for child in (server, other):
+            child.kill()
+            child.wait()
