@@ -189,23 +189,38 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="print the mutants and stop")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the tests")
     parser.add_argument("--select", action="store_true", help="run only the tests that run a mutant's lines")
+    parser.add_argument(
+        "--lines",
+        type=Path,
+        help="with --select: the map of which tests run each line, read from this file if it "
+        "exists (no traced run), else written to it (to reuse for more modules under the same --tests)",
+    )
     args = parser.parse_args()
     survivors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="mmkey-mutate-") as scratch:
         copy = Path(scratch) / "src"
         shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__"))
         inside_of = {m: copy / m.resolve().relative_to(ROOT / "src") for m in args.modules}
-        traced = Path(scratch) / "lines.json"
-        trace = (list(inside_of.values()), traced) if args.select else None
-        if not args.list and not run_tests(copy, args.tests, args.timeout, args.python, trace):
-            print("the tests fail without a mutant: fix them first", file=sys.stderr)
-            return 2
-        lines: Lines = json.loads(traced.read_text()) if args.select and not args.list else {}
+        lines: Lines = {}
+        if args.select and args.lines is not None and args.lines.exists():
+            lines = json.loads(args.lines.read_text())  # keys: module paths relative to src/
+        elif not args.list:
+            traced = Path(scratch) / "lines.json"
+            # every module of the mutated modules' packages, so that --lines serves their siblings too
+            watched = sorted({py for inside in inside_of.values() for py in inside.parent.glob("*.py")})
+            trace = (watched, traced) if args.select else None
+            if not run_tests(copy, args.tests, args.timeout, args.python, trace):
+                print("the tests fail without a mutant: fix them first", file=sys.stderr)
+                return 2
+            if args.select:
+                seen: Lines = json.loads(traced.read_text())
+                lines = {str(Path(k).relative_to(copy)): v for k, v in seen.items()}
+                if args.lines is not None:
+                    args.lines.write_text(json.dumps(lines))
         for module in args.modules:
-            path = module.resolve()
-            inside = inside_of[module]
+            inside = inside_of[module]  # the copy, made at the start: edits of src/ meanwhile are not seen
             original = inside.read_text()
-            found, lines_of = mutants(path), spans(path)
+            found, lines_of = mutants(inside), spans(inside)
             chosen = args.only or range(args.start, len(found), args.every)
             for index in chosen:
                 line, what = found[index]
@@ -215,9 +230,10 @@ def main() -> int:
                     continue
                 tests = args.tests
                 if args.select:
-                    tests = covering(lines.get(str(inside), {}), lines_of[index], args.tests)
+                    ran = lines.get(str(inside.relative_to(copy)), {})
+                    tests = covering(ran, lines_of[index], args.tests)
                     name += " [all]" if tests is args.tests else f" [{len(tests)} tests]"
-                inside.write_text(mutated(path, index))
+                inside.write_text(mutated(inside, index))
                 started = time.monotonic()
                 try:
                     killed = not run_tests(copy, tests, args.timeout, args.python)

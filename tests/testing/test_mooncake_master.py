@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -100,11 +101,28 @@ def test_parse_host_port_accepts(address: str, expected: tuple[str, int]) -> Non
         "::1:50051",
         "[::1]50051",
         "[::1:50051",
+        "[::1]x1",
+        "[]:50051",
         "a b:1",
     ],
 )
 def test_parse_host_port_rejects(address: str) -> None:
     with pytest.raises(ValueError, match="invalid address"):
+        parse_host_port(address)
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("127.0.0.1", "no port"),
+        ("::1:50051", "put an IPv6 host in brackets"),
+        (":50051", "empty or malformed host"),
+        ("127.0.0.1:x", "port 'x' is not a number"),
+        ("127.0.0.1:0", "outside 1..65535"),
+    ],
+)
+def test_a_refused_address_says_what_is_wrong_with_it(address: str, why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
         parse_host_port(address)
 
 
