@@ -284,13 +284,31 @@ def _handed(abandoned: Callable[[Any], object], value: object) -> None:
 
 class Breaker:
     """Closed while calls succeed; open for `retry_after` seconds after a failure, then
-    lets one trial call through (half-open) before closing again on success."""
+    lets one trial call through (half-open) before closing again on success.
 
-    def __init__(self, retry_after: float, clock: Callable[[], float] = time.monotonic) -> None:
+    With `longest` (seconds, at least `retry_after`), each trial that fails doubles the wait
+    before the next, up to `longest`: where a trial itself costs (a transfer to a hung holder
+    keeps a client thread busy until its deadline), a fault that lasts costs less and less.
+    A success starts again from `retry_after`.
+    """
+
+    def __init__(
+        self, retry_after: float, clock: Callable[[], float] = time.monotonic, longest: float | None = None
+    ) -> None:
+        if longest is not None and longest < retry_after:
+            raise ValueError(f"longest ({longest}) must be at least retry_after ({retry_after})")
         self._retry_after = retry_after
+        self._longest = retry_after if longest is None else longest
+        self._wait = retry_after
         self._clock = clock
         self._open_until: float | None = None
+        self._trial = False  # a trial call was let through since the breaker last opened
         self._lock = threading.Lock()
+
+    @property
+    def wait(self) -> float:
+        """The seconds the breaker stays open after the next failure of a trial (or now, if open)."""
+        return self._wait
 
     def is_open(self) -> bool:
         """Whether calls are being refused right now."""
@@ -308,7 +326,8 @@ class Breaker:
             now = self._clock()
             if now < until:
                 return False
-            self._open_until = now + self._retry_after  # one trial per period
+            self._open_until = now + self._wait  # one trial per period
+            self._trial = True
             return True
 
     def success(self) -> None:
@@ -317,8 +336,14 @@ class Breaker:
             return
         with self._lock:
             self._open_until = None
+            self._trial = False
+            self._wait = self._retry_after
 
     def failure(self) -> None:
-        """A call failed or timed out: refuse calls for `retry_after` seconds."""
+        """A call failed or timed out: refuse calls for the wait (`retry_after`, doubled by
+        each failed trial since the last success, up to `longest`)."""
         with self._lock:
-            self._open_until = self._clock() + self._retry_after
+            if self._trial:
+                self._wait = min(self._wait * 2, self._longest)
+            self._trial = False
+            self._open_until = self._clock() + self._wait

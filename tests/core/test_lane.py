@@ -122,6 +122,30 @@ def test_a_failed_trial_reopens_the_breaker() -> None:
     assert breaker.allow()
 
 
+def test_each_failed_trial_doubles_the_wait_up_to_longest_and_a_success_starts_over() -> None:
+    clock = FakeClock()
+    breaker = Breaker(retry_after=1.0, clock=clock, longest=4.0)
+    breaker.failure()
+    breaker.failure()  # a second failure, not of a trial: the wait stays
+    assert breaker.wait == 1.0
+    for wait in (1.0, 2.0, 4.0, 4.0):
+        clock.advance(wait - 0.01)
+        assert not breaker.allow(), f"a trial before its wait of {wait} s"
+        clock.advance(0.01)
+        assert breaker.allow()  # the trial
+        breaker.failure()
+    assert breaker.wait == 4.0
+    clock.advance(4.0)
+    assert breaker.allow()
+    breaker.success()
+    assert breaker.wait == 1.0 and not breaker.is_open()
+    breaker.failure()
+    clock.advance(1.0)
+    assert breaker.allow(), "after a success the wait is retry_after again"
+    with pytest.raises(ValueError, match="at least retry_after"):
+        Breaker(retry_after=2.0, clock=clock, longest=1.0)
+
+
 def test_the_value_of_an_abandoned_call_is_handed_over_for_release(lane: Lane, clock: FakeClock) -> None:
     release = threading.Event()
     handed: list[object] = []

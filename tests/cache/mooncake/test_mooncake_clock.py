@@ -17,6 +17,7 @@ import torch
 
 from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
 from mmkey.cache.health import CacheHealth
+from mmkey.cache.mooncake._transport import RETRY_BACKOFF
 from mmkey.cache.protocol import Claim
 from mmkey.entry.codec import encode_entry
 from mmkey.testing.fake_mooncake import RPC_FAIL, FakeMooncakeMaster, FakeMooncakeStore
@@ -35,25 +36,28 @@ def key(i: int) -> EmbeddingKey:
 
 
 class Hangs:
-    """Binding methods made to hang: the first call of each moves the clock `HUNG_FOR` s (or
-    the seconds `hang` was given) on, then blocks until `release`."""
+    """Binding methods made to hang: the first call of each after `hang` moves the clock
+    `HUNG_FOR` s (or the seconds `hang` was given) on, then blocks until `release`."""
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self._gates: dict[str, threading.Event] = {}
+        self._earlier: list[threading.Event] = []  # gates of calls hung before a method's last `hang`
         self._for: dict[str, float] = {}
         self.entered: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
 
     def hang(self, method: str, seconds: float = HUNG_FOR) -> None:
         with self._lock:
+            if method in self._gates:
+                self._earlier.append(self._gates[method])
             self._gates[method] = threading.Event()
             self._for[method] = seconds
             self.entered[method] = threading.Event()
 
     def release(self) -> None:
         with self._lock:
-            gates, self._gates = list(self._gates.values()), {}
+            gates, self._gates, self._earlier = [*self._gates.values(), *self._earlier], {}, []
         for gate in gates:
             gate.set()
 
@@ -422,6 +426,28 @@ def test_a_hung_write_holds_writes_and_claims_off_until_a_trial_lands_by_the_clo
         assert not c.health().writes_held
         assert c.claim([key(42)]) == [Claim.WON]
         c.release([key(42)])
+
+
+def test_trial_writes_to_a_holder_that_stays_hung_back_off_by_the_clock(
+    master: FakeMooncakeMaster, clock: FakeClock, hangs: Hangs, holder: FakeMooncakeStore
+) -> None:
+    """A trial write to a hung holder keeps a client thread busy until the transfer's deadline,
+    so each trial that fails doubles the wait before the next (`RETRY_BACKOFF`)."""
+    with MooncakeCache(settings(master), keyring=None, store_class=store_class(hangs), clock=clock) as c:
+        hangs.hang("batch_upsert_from")
+        assert c.insert_batch([key(47)], [torch.ones(4)]) == [False]
+        for wait in (RETRY_AFTER, 2 * RETRY_AFTER):  # two trials fail, each on a lane of its own
+            hangs.hang("batch_upsert_from")  # the holder still hangs
+            clock.advance(wait - 0.5)
+            assert c.insert_batch([key(48)], [torch.ones(4)]) == [False]
+            assert not hangs.entered["batch_upsert_from"].is_set(), f"a trial before its wait of {wait} s"
+            clock.advance(0.5)
+            assert c.insert_batch([key(48)], [torch.ones(4)]) == [False]
+            assert hangs.entered["batch_upsert_from"].is_set(), "the trial"
+        assert c._transport.write_breaker.wait == 4 * RETRY_AFTER
+        assert c.health().writes_held
+        # the probes of a quarantined holder back off alike (tests/cache/mooncake/test_quarantine.py)
+        assert c._transport.quarantine._longest == RETRY_BACKOFF * RETRY_AFTER
 
 
 def test_a_timed_out_write_that_lands_late_lifts_the_hold_at_once(

@@ -75,3 +75,33 @@ def test_a_late_answer_lifts_the_holder_and_outranks_failures_of_transfers_start
     q.lift("h:1")
     assert q.add("h:1", ["d"])
     assert q.add("h:2", ["e"], since=started), "another holder's late answer is its own"
+
+
+def test_each_failed_probe_doubles_the_wait_before_the_next_up_to_longest() -> None:
+    clock = FakeClock()
+    q = Quarantine(retry_after=1.0, clock=clock, longest=4.0)
+    q.add("h:1", ["a"])
+    for wait in (1.0, 2.0, 4.0, 4.0):  # a hung holder: every probe fails
+        clock.now += wait - 0.01
+        assert q.due_probes() == [], f"probed before its wait of {wait} s"
+        clock.now += 0.01
+        assert [endpoint for endpoint, _ in q.due_probes()] == ["h:1"]
+        q.probed("h:1", healthy=False)
+    assert q.holds("h:1")
+    clock.now += 4.0
+    assert q.due_probes() != []
+    q.probed("h:1", healthy=True)
+    assert not q.holds("h:1")
+    q.add("h:1", ["b"])  # held again later: the wait starts over
+    clock.now += 1.0
+    assert [endpoint for endpoint, _ in q.due_probes()] == ["h:1"]
+
+
+def test_without_longest_the_probes_keep_their_period() -> None:
+    clock = FakeClock()
+    q = Quarantine(retry_after=1.0, clock=clock)
+    q.add("h:1", ["a"])
+    for _ in range(3):
+        clock.now += 1.0
+        assert q.due_probes() != []
+        q.probed("h:1", healthy=False)

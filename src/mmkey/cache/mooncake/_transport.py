@@ -12,8 +12,10 @@ calls from several threads (measured; the fleet tests run them). The breaker is 
 master: it opens when a metadata call fails or times out. A transfer that fails or times
 out quarantines the holder it went to instead. A write's holder is not known before it goes
 (the master places it), so a write that times out opens the *write breaker* instead
-(`write_breaker`): writes are then skipped, one trial every `retry_after`, until one lands or
-the timed-out one completes late.
+(`write_breaker`): writes are then skipped, one trial `retry_after` later, until one lands or
+the timed-out one completes late. A trial write or a probe of a quarantined holder that goes
+to a hung holder keeps a client thread busy until the transfer's deadline, so each that fails
+doubles the wait before the next, up to `RETRY_BACKOFF` times `retry_after`.
 
 Mooncake's ``setup()`` and ``close()`` hold the GIL, so while they run every thread of the
 process stops; neither is called unless the master has just answered a request on its RPC
@@ -55,6 +57,7 @@ __all__ = [
     "INVALID_PARAMS",
     "LOG",
     "LOG_EVERY_S",
+    "RETRY_BACKOFF",
     "RPC_FAILURES",
     "TRANSFER_FAILURES",
     "CacheParts",
@@ -76,6 +79,10 @@ MAX_STAGING = 256 << 20
 """Largest registered staging buffer; larger entries get a buffer of their own."""
 TRANSFER_LANES = 3
 """Transfer lanes: enough to read from two holders at once while one lane is stuck."""
+RETRY_BACKOFF = 16
+"""The longest wait between two trial writes, or two probes of a quarantined holder, in units
+of ``retry_after`` (each that fails doubles it): with the default second, a hung holder costs a
+client thread's transfer deadline at most every 16 s after four failed trials in a row."""
 _PING_S = 1.0
 """The longest a liveness probe waits for the master (less when the call's time is short)."""
 
@@ -198,9 +205,12 @@ class StoreTransport:
             for i in range(TRANSFER_LANES)
         )
         self._prober = Lane("mmkey-mooncake-probe", clock)
-        self.breaker = Breaker(config.retry_after, clock)
-        self.quarantine = Quarantine(config.retry_after, clock)
-        self.write_breaker = Breaker(config.retry_after, clock)
+        self.breaker = Breaker(config.retry_after, clock)  # a trial is one cheap call to the master
+        # a probe or a trial write to a hung holder keeps a client thread busy until the
+        # transfer's deadline: each that fails doubles the wait before the next
+        longest = config.retry_after * RETRY_BACKOFF
+        self.quarantine = Quarantine(config.retry_after, clock, longest)
+        self.write_breaker = Breaker(config.retry_after, clock, longest)
         """Open after a write timed out (a hung holder, or master): while open, writes are
         skipped, so no write queues on a holder that does not answer."""
         self._store: MooncakeDistributedStore | None = None  # set on the metadata lane only

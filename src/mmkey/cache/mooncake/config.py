@@ -180,7 +180,9 @@ class MooncakeConfig:
     setup_timeout: float = attrs.field(default=5.0, validator=_seconds)
     """Seconds connecting to the master (and registering staging) may take."""
     retry_after: float = attrs.field(default=1.0, validator=_seconds)
-    """Seconds the store is left alone after a failure before it is tried again."""
+    """Seconds the store is left alone after a failure before it is tried again. Trial writes
+    and probes of a quarantined holder wait twice as long after each that fails, up to 16 times
+    this (each can spin a client thread until the transfer's deadline)."""
     replica_num: int = attrs.field(default=1, validator=_replicas)
     """Copies of each entry written (Mooncake's `ReplicateConfig.replica_num`), each on a
     different holder: with 2 or more, an entry survives the death of the holder of one copy."""
