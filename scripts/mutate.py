@@ -165,8 +165,14 @@ def run_tests(
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
+        _last_output[:] = [f"timed out after {timeout} s"]
         return False  # a mutant that hangs the tests is killed
+    _last_output[:] = [done.stdout.decode(errors="replace")[-3000:]]
     return done.returncode == 0
+
+
+_last_output: list[str] = []
+"""The end of the last test run's output (shown when the tests fail without a mutant)."""
 
 
 def covering(lines: dict[str, list[str]], span: range, every: list[str]) -> list[str]:
@@ -210,7 +216,8 @@ def main() -> int:
             watched = sorted({py for inside in inside_of.values() for py in inside.parent.glob("*.py")})
             trace = (watched, traced) if args.select else None
             if not run_tests(copy, args.tests, args.timeout, args.python, trace):
-                print("the tests fail without a mutant: fix them first", file=sys.stderr)
+                failed = "the tests fail without a mutant: fix them first"
+                print(failed, *_last_output, sep="\n", file=sys.stderr)
                 return 2
             if args.select:
                 seen: Lines = json.loads(traced.read_text())
