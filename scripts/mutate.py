@@ -191,7 +191,9 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=1, help="try one mutant in N")
     parser.add_argument("--start", type=int, default=0, help="skip the first mutants")
     parser.add_argument("--only", type=int, nargs="+", help="try only these mutants (by #)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test run")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds per test run (10 times it for the first)"
+    )
     parser.add_argument("--list", action="store_true", help="print the mutants and stop")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the tests")
     parser.add_argument("--select", action="store_true", help="run only the tests that run a mutant's lines")
@@ -215,7 +217,8 @@ def main() -> int:
             # every module of the mutated modules' packages, so that --lines serves their siblings too
             watched = sorted({py for inside in inside_of.values() for py in inside.parent.glob("*.py")})
             trace = (watched, traced) if args.select else None
-            if not run_tests(copy, args.tests, args.timeout, args.python, trace):
+            # the first run, traced or not, may take longer than a mutant's (a tracer slows it)
+            if not run_tests(copy, args.tests, 10 * args.timeout, args.python, trace):
                 failed = "the tests fail without a mutant: fix them first"
                 print(failed, *_last_output, sep="\n", file=sys.stderr)
                 return 2
