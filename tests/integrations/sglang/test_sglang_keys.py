@@ -154,6 +154,8 @@ def test_scoping_rewrites_each_requests_hashes_into_new_dicts() -> None:
     by_keyword = scope_caller_hashes(encoder, requests=[named], modality="IMAGE", use_global_cache=True)
     assert by_keyword is not None
     assert by_keyword[1]["requests"][0]["hashes"] == ["caller:123", "caller:abc"]
+    only_requests = scope_caller_hashes(encoder, [named])  # the requests the last positional
+    assert only_requests is not None and only_requests[0][1][0]["hashes"] == ["caller:123", "caller:abc"]
 
 
 @pytest.mark.parametrize(
