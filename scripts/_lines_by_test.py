@@ -3,7 +3,8 @@
 Loaded with ``-p _lines_by_test`` (``scripts/`` on ``sys.path``); the modules to watch are named
 by ``MMKEY_LINES_WATCH`` (paths, ``os.pathsep`` between them) and the map is written as JSON to
 ``MMKEY_LINES_OUT``: ``{path: {line: [test ids, in run order]}}``, where ``"<import>"`` stands
-for lines run outside any test (module bodies at import, fixtures of a wider scope).
+for lines run outside any test (module bodies at import, fixtures of a wider scope), and under
+``DURATIONS`` the seconds each test took (its set-up, call and tear-down).
 Only this process's threads are traced; lines run in a child process are not seen.
 """
 
@@ -23,6 +24,8 @@ import pytest
 _WATCHED = {str(Path(p).resolve()) for p in os.environ.get("MMKEY_LINES_WATCH", "").split(os.pathsep) if p}
 _SEEN: dict[str, dict[int, list[str]]] = {path: {} for path in _WATCHED}
 _current = ["<import>"]
+DURATIONS = "<durations>"
+_took: dict[str, float] = {}
 
 _Tracer = Callable[[FrameType, str, Any], Any]
 
@@ -55,7 +58,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _current[0] = "<import>"
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _took[report.nodeid] = _took.get(report.nodeid, 0.0) + report.duration
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     out = os.environ.get("MMKEY_LINES_OUT")
     if out:
-        Path(out).write_text(json.dumps(_SEEN))
+        Path(out).write_text(json.dumps({**_SEEN, DURATIONS: _took}))

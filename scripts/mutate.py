@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,7 +141,8 @@ def mutated(path: Path, index: int) -> str:
     return ast.unparse(ast.fix_missing_locations(changed))
 
 
-Lines = dict[str, dict[str, list[str]]]
+Lines = dict[str, dict[str, Any]]
+"""Module path -> line -> the tests that ran it; ``"<durations>"`` -> test -> seconds."""
 
 
 def run_tests(
@@ -166,7 +168,7 @@ def run_tests(
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         _last_output[:] = [f"timed out after {timeout} s"]
-        return False  # a mutant that hangs the tests is killed
+        return False  # a mutant that hangs the tests is killed (reported as a timeout: it may only be slow)
     _last_output[:] = [done.stdout.decode(errors="replace")[-3000:]]
     return done.returncode == 0
 
@@ -175,13 +177,22 @@ _last_output: list[str] = []
 """The end of the last test run's output (shown when the tests fail without a mutant)."""
 
 
-def covering(lines: dict[str, list[str]], span: range, every: list[str]) -> list[str]:
-    """The tests to run for a mutant on the lines `span`: those that ran them, in run order, or
-    `every` test when one of the lines ran outside a test or no test ran them."""
+def _relative(path: str, src: Path) -> str:
+    """A traced module's path relative to the copy of ``src/`` (the durations' key as it is)."""
+    return path if path == "<durations>" else str(Path(path).relative_to(src))
+
+
+def covering(
+    lines: dict[str, list[str]], span: range, every: list[str], took: dict[str, float] | None = None
+) -> list[str]:
+    """The tests to run for a mutant on the lines `span`: those that ran them, quickest first
+    by `took` (seconds each test took in the traced run; else in run order), or `every` test
+    when one of the lines ran outside a test or no test ran them."""
     ran = [test for line in span for test in lines.get(str(line), [])]
     if not ran or "<import>" in ran:
         return every
-    return list(dict.fromkeys(ran))
+    unique = list(dict.fromkeys(ran))
+    return unique if took is None else sorted(unique, key=lambda test: took.get(test, 0.0))
 
 
 def main() -> int:
@@ -205,6 +216,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     survivors: list[str] = []
+    slow: list[str] = []
     with tempfile.TemporaryDirectory(prefix="mmkey-mutate-") as scratch:
         copy = Path(scratch) / "src"
         shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__"))
@@ -224,7 +236,7 @@ def main() -> int:
                 return 2
             if args.select:
                 seen: Lines = json.loads(traced.read_text())
-                lines = {str(Path(k).relative_to(copy)): v for k, v in seen.items()}
+                lines = {_relative(k, copy): v for k, v in seen.items()}
                 if args.lines is not None:
                     args.lines.write_text(json.dumps(lines))
         for module in args.modules:
@@ -241,7 +253,8 @@ def main() -> int:
                 tests = args.tests
                 if args.select:
                     ran = lines.get(str(inside.relative_to(copy)), {})
-                    tests = covering(ran, lines_of[index], args.tests)
+                    took = cast("dict[str, float] | None", lines.get("<durations>"))
+                    tests = covering(ran, lines_of[index], args.tests, took)
                     name += " [all]" if tests is args.tests else f" [{len(tests)} tests]"
                 inside.write_text(mutated(inside, index))
                 started = time.monotonic()
@@ -249,12 +262,18 @@ def main() -> int:
                     killed = not run_tests(copy, tests, args.timeout, args.python)
                 finally:
                     inside.write_text(original)
-                verdict = "killed" if killed else "SURVIVED"
+                timed_out = killed and _last_output[:1] == [f"timed out after {args.timeout} s"]
+                verdict = "timeout" if timed_out else "killed" if killed else "SURVIVED"
                 print(f"{verdict:8} {name} ({time.monotonic() - started:.0f} s)", flush=True)
                 if not killed:
                     survivors.append(name)
+                elif timed_out:
+                    slow.append(name)
     if survivors:
         print(f"\n{len(survivors)} survivor(s):", *survivors, sep="\n  ")
+    if slow:
+        print(f"\n{len(slow)} timed out (a hang, or only slow: rerun with --only and a longer --timeout):")
+        print(*slow, sep="\n  ")
     return 1 if survivors else 0
 
 

@@ -110,3 +110,20 @@ def test_the_sweeping_thread_gives_back_lapsed_claims_with_no_other_call() -> No
     won.add({"2": key(2)})  # and a new claim starts it again
     assert wait_until(lambda: released.given() == [key(1), key(2)], 10)
     won.close()
+
+
+def test_one_sweeping_thread_however_many_adds_and_none_with_sweep_off() -> None:
+    manual = WonClaims(Released(), 2.0, 100, clock=Clock(), sweep=False)
+    manual.add({"1": key(1)})
+    assert manual._thread is None, "sweep off: no thread"
+    swept = WonClaims(Released(), 60.0, 100)
+    try:
+        swept.add({"1": key(1)})
+        first = swept._thread
+        assert first is not None and first.is_alive() and first.name == "mmkey-sglang-claims"
+        swept.add({"2": key(2)})
+        swept.add({"3": key(3)})
+        assert swept._thread is first, "one thread for the store"
+    finally:
+        swept.close()
+        manual.close()
