@@ -21,11 +21,11 @@ minutes, and rows run minutes apart compared that drift. At one client, where p9
 the slowest request, the rows take turns request by request (`loadgen.turns`; in-engine, on
 none's engines, runs after them) and every engine runs on one core, the rest of the benchmark
 on the other (`loadgen.servers_on_one_core`): the speed of this host's cores drifts within
-seconds and differs between them. Then mmkey with its holder paused (SIGSTOP: a store that stops answering). Tower
-runs and tower time come from a forward hook in each engine (`serve_worker`), bytes moved from
-the connector calls there; the hit path (lookup, fetch, verify) is timed on the same store
-with an entry of the tower's output size. Absolute times are this CPU's; ratios are the claim.
-"""
+seconds and differs between them. Then mmkey with its holder paused (SIGSTOP: a store that
+stops answering). Tower runs and tower time come from a forward hook in each engine
+(`serve_worker`), bytes moved from the connector calls there; the hit path (lookup, fetch,
+verify) is timed on the same store with an entry of the tower's output size. Absolute times are
+this CPU's; ratios are the claim."""
 
 from __future__ import annotations
 
@@ -262,15 +262,6 @@ async def snapshot(engines: Sequence[Engine]) -> list[dict[str, float]]:
     return [(await rpc(e, "mmkey_counts"))[0] for e in engines]
 
 
-def deltas(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]) -> dict[str, float]:
-    """What the counters gained from ``before`` to ``after`` (summed over the engines)."""
-    gained: dict[str, float] = {}
-    for b, a in zip(before, after, strict=True):
-        for k in a:
-            gained[k] = gained.get(k, 0) + a[k] - b[k]
-    return gained
-
-
 def taking_turns(rows: Sequence[str]) -> list[str]:
     """The rows (in this order) that take turns at one client: each whose engines (`ROW_ENGINES`)
     no row before it uses."""
@@ -307,7 +298,7 @@ async def measure_cells(
             done = await loadgen.turns(sends)
         await asyncio.sleep(0.5)  # background saves of the last requests land in the counters
         for row in together:
-            gained = deltas(before[row], await snapshot(running[groups[row]]))
+            gained = loadgen.gained(before[row], await snapshot(running[groups[row]]))
             cells[row] = Cell(row, reuse, clients, *done[row], gained)
     for row in (r for r in rows if r not in together):
         engines = running[groups[row]]
@@ -319,7 +310,8 @@ async def measure_cells(
         else:
             outcomes, wall = await loadgen.replay(sent, clients)
         await asyncio.sleep(0.5)
-        cells[row] = Cell(row, reuse, clients, outcomes, wall, deltas(before_row, await snapshot(engines)))
+        gained = loadgen.gained(before_row, await snapshot(engines))
+        cells[row] = Cell(row, reuse, clients, outcomes, wall, gained)
     return [cells[row] for row in rows]
 
 

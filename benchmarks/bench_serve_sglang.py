@@ -23,17 +23,17 @@ so a batch of n images costs about n squared images' time (SGLang's default of 8
 none row's requests/s from 1 to 16 clients), where a GPU's variable-length kernels cost n.
 
 Every row's servers run at once, and each cell runs all rows back to back, the first row
-turning from cell to cell (`loadgen.interleaved`): a shared host's speed drifts over minutes, and rows
-run minutes apart compared that drift, not the caches. At one client, where p99 is close to the
-slowest request, the rows take turns request by request (`loadgen.turns`) and every server
-runs on one core, the rest of the benchmark on the other (`loadgen.servers_on_one_core`): the
-speed of this host's cores drifts within seconds and differs between them, and a row whose
-servers the scheduler kept on the slower core ran its tower 20% slower. Then mmkey with its holder paused (SIGSTOP: a store that stops answering). Tower
-runs and tower time, and the bytes the store moved, come from counters in each server
+turning from cell to cell (`loadgen.interleaved`): a shared host's speed drifts over minutes,
+and rows run minutes apart compared that drift, not the caches. At one client, where p99 is
+close to the slowest request, the rows take turns request by request (`loadgen.turns`) and
+every server runs on one core, the rest of the benchmark on the other
+(`loadgen.servers_on_one_core`): the speed of this host's cores drifts within seconds and
+differs between them, and a row whose servers the scheduler kept on the slower core ran its
+tower 20% slower. Then mmkey with its holder paused (SIGSTOP: a store that stops answering).
+Tower runs and tower time, and the bytes the store moved, come from counters in each server
 (`sglang_serve_worker`); the hit path (lookup, then a verified fetch into pool pages, through
 `MMKeyEmbeddingStore` as SGLang calls it) is timed in this process on the same store with an
-entry of the tower's output size. Absolute times are this CPU's; ratios are the claim.
-"""
+entry of the tower's output size. Absolute times are this CPU's; ratios are the claim."""
 
 from __future__ import annotations
 
@@ -181,15 +181,6 @@ def sends_of(
     return [sender(i, image) for i, image in enumerate(trace)]  # every picture made first
 
 
-def counter_deltas(before: Sequence[dict[str, float]], servers: Sequence[Any]) -> dict[str, float]:
-    """What the servers' counters gained since ``before`` (summed over the servers)."""
-    deltas: dict[str, float] = {}
-    for b, a in zip(before, [counts(s) for s in servers], strict=True):
-        for k in a:
-            deltas[k] = deltas.get(k, 0.0) + a[k] - b[k]
-    return deltas
-
-
 async def measure_cells(
     rows: Sequence[str],
     running: dict[str, list[Any]],
@@ -213,7 +204,8 @@ async def measure_cells(
     else:
         done = {row: await loadgen.replay(sends[row], clients) for row in rows}
     await asyncio.sleep(0.5)  # background puts of the last requests land in the counters
-    return [Cell(row, reuse, clients, *done[row], counter_deltas(before[row], running[row])) for row in rows]
+    after = {row: [counts(s) for s in running[row]] for row in rows}
+    return [Cell(row, reuse, clients, *done[row], loadgen.gained(before[row], after[row])) for row in rows]
 
 
 def warm(servers: Sequence[Any], images: Images) -> None:

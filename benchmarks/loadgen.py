@@ -26,6 +26,7 @@ __all__ = [
     "Outcome",
     "by_cell",
     "format_table",
+    "gained",
     "interleaved",
     "make_trace",
     "percentile",
@@ -74,6 +75,16 @@ def by_cell(order: Sequence[tuple[str, tuple[float, int]]]) -> list[tuple[tuple[
     for row, cell in order:
         cells.setdefault(cell, []).append(row)
     return list(cells.items())
+
+
+def gained(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]) -> dict[str, float]:
+    """What each counter gained from ``before`` to ``after`` (one dict per server), summed over
+    the servers."""
+    total: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        for k in a:
+            total[k] = total.get(k, 0.0) + a[k] - b.get(k, 0.0)
+    return total
 
 
 def repeat_share(trace: Sequence[int]) -> float:

@@ -245,3 +245,11 @@ def test_servers_run_on_one_core_and_the_rest_beside_them_then_everything_moves_
         for child in (server, other):
             child.kill()
             child.wait()
+
+
+def test_counters_gained_are_summed_over_the_servers() -> None:
+    before = [{"tower_s": 1.0, "hits": 2.0}, {"tower_s": 0.5}]
+    after = [{"tower_s": 3.0, "hits": 2.0}, {"tower_s": 1.0, "hits": 4.0}]  # a counter new since
+    assert loadgen.gained(before, after) == {"tower_s": 2.5, "hits": 4.0}
+    with pytest.raises(ValueError):
+        loadgen.gained(before, after[:1])
