@@ -127,3 +127,23 @@ def test_one_sweeping_thread_however_many_adds_and_none_with_sweep_off() -> None
     finally:
         swept.close()
         manual.close()
+
+
+def test_the_sweeping_thread_waits_for_the_oldest_hold_instead_of_spinning() -> None:
+    released = Released()
+    won = WonClaims(released, 0.3, 100)
+    looks: list[int] = []
+    expire = won.expire
+
+    def counted() -> int:
+        looks.append(1)
+        return expire()
+
+    won.expire = counted  # type: ignore[method-assign]
+    try:
+        won.add({"1": key(1)})
+        assert won._thread is not None and won._thread.daemon, "never keeps the process alive"
+        assert wait_until(lambda: released.given() == [key(1)], 10)
+        assert len(looks) <= 3, f"the sweeper looked {len(looks)} times for one hold"
+    finally:
+        won.close()

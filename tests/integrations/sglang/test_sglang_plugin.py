@@ -616,3 +616,16 @@ def test_blake3_without_the_plugin_refuses_to_start(fresh_loader: pytest.MonkeyP
     EmbeddingStoreFactory.register_backend("mmkey", "mmkey.integrations.sglang", "MMKeyEmbeddingStore")
     with pytest.raises(SGLangConfigError, match="set MMKEY_SGLANG_BACKEND=1 instead"):
         EmbeddingStoreFactory.create_backend("mmkey")
+
+
+def test_the_blake3_hash_hooks_are_installed_only_by_install() -> None:
+    code = (
+        "from mmkey.integrations.sglang import _hash\n"
+        "before = _hash.installed()\n"
+        "_hash.install()\n"
+        "print(before, _hash.installed())\n"
+    )
+    command = [sys.executable, "-c", code]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True"]
