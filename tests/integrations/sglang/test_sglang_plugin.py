@@ -618,14 +618,16 @@ def test_blake3_without_the_plugin_refuses_to_start(fresh_loader: pytest.MonkeyP
         EmbeddingStoreFactory.create_backend("mmkey")
 
 
-def test_the_blake3_hash_hooks_are_installed_only_by_install() -> None:
+def test_the_blake3_hash_hooks_are_installed_only_by_install_and_once() -> None:
     code = (
         "from mmkey.integrations.sglang import _hash\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry\n"
         "before = _hash.installed()\n"
         "_hash.install()\n"
-        "print(before, _hash.installed())\n"
+        "_hash.install()\n"
+        "print(before, _hash.installed(), len(HookRegistry._hooks[_hash.TENSOR_HASH]))\n"
     )
     command = [sys.executable, "-c", code]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["False", "True"]
+    assert done.stdout.split() == ["False", "True", "1"], "one hook however many installs"
