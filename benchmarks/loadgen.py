@@ -214,12 +214,13 @@ async def replay(
 
 async def turns(
     rows: Sequence[tuple[str, Sequence[Callable[[], Awaitable[Outcome]]]]],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, tuple[list[Outcome], float]]:
     """Every row's requests one at a time, the rows taking turns: request i of each row before
     request i + 1 of any, the row that goes first turning with each i, so that each row's i-th
     request meets the host as the others' did (at one client a row's p99 is close to its
     slowest request, and a shared host's speed drifts within seconds). Each row's outcomes (in
-    its order) and the seconds its own requests took in all."""
+    its order) and the seconds its own requests took in all, by `clock`."""
     names = [name for name, _ in rows]
     if len(set(names)) != len(names):
         raise ValueError("turns: each row once")
@@ -228,11 +229,11 @@ async def turns(
         for j in range(len(rows)):
             name, sends = rows[(i + j) % len(rows)]
             if i < len(sends):
-                start = time.perf_counter()
+                start = clock()
                 outcome = await sends[i]()
                 outcomes, seconds = done[name]
                 outcomes.append(outcome)
-                done[name] = (outcomes, seconds + time.perf_counter() - start)
+                done[name] = (outcomes, seconds + clock() - start)
     return done
 
 

@@ -7,11 +7,12 @@ import importlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._support import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 loadgen: Any = importlib.import_module("loadgen")
@@ -205,16 +206,18 @@ def test_rows_take_turns_one_request_at_a_time_the_first_row_turning() -> None:
 
 
 def test_a_rows_seconds_are_the_time_its_own_requests_took() -> None:
-    def slow(seconds: float) -> Any:
+    now = [0.0]
+
+    def taking(seconds: float) -> Any:
         async def go() -> Any:
-            await asyncio.sleep(seconds)
+            now[0] += seconds  # the request's own time, on the injected clock
             return loadgen.Outcome(seconds, seconds, 200)
 
         return go
 
-    done = asyncio.run(loadgen.turns([("quick", [slow(0.0)] * 2), ("slow", [slow(0.05)] * 2)]))
-    assert done["slow"][1] >= 0.1
-    assert done["quick"][1] < done["slow"][1]
+    rows = [("quick", [taking(0.01)] * 2), ("slow", [taking(0.5)] * 2)]
+    done = asyncio.run(loadgen.turns(rows, clock=lambda: now[0]))
+    assert done["quick"][1] == pytest.approx(0.02) and done["slow"][1] == pytest.approx(1.0)
 
 
 @pytest.mark.skipif(
@@ -226,10 +229,8 @@ def test_servers_run_on_one_core_and_the_rest_beside_them_then_everything_moves_
     server = subprocess.Popen([sys.executable, "-c", code])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        deadline = time.monotonic() + 20
-        while len(os.listdir(f"/proc/{server.pid}/task")) < 2:  # its second thread started
-            assert time.monotonic() < deadline, "the server's thread never started"
-            time.sleep(0.01)
+        started = wait_until(lambda: len(os.listdir(f"/proc/{server.pid}/task")) >= 2, 20)
+        assert started, "the server's second thread never started"
 
         def cpus(pid: int) -> set[frozenset[int]]:
             return {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
