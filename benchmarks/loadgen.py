@@ -289,12 +289,10 @@ def servers_on_one_core(servers: Sequence[int]) -> Iterator[int | None]:
         yield None
         return
     core = max(allowed)
-    pinned = [pid for server in servers for pid in _tree(server)]
-    others = [pid for pid in _tree(os.getpid()) if pid not in set(pinned)]
-    _pin(pinned, {core})
-    _pin(others, allowed - {core})
+    pinned = {pid for server in servers for pid in _tree(server)}
+    _pin(sorted(pinned), {core})
+    _pin([pid for pid in _tree(os.getpid()) if pid not in pinned], allowed - {core})
     try:
         yield core
-    finally:
-        _pin([pid for server in servers for pid in _tree(server)], allowed)
-        _pin(_tree(os.getpid()), allowed)
+    finally:  # the trees again: threads and children started meanwhile inherited the pinning
+        _pin(sorted({*_tree(os.getpid()), *(pid for server in servers for pid in _tree(server))}), allowed)

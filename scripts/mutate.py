@@ -151,9 +151,10 @@ def run_tests(
     timeout: float,
     python: str = sys.executable,
     trace: tuple[list[Path], Path] | None = None,
-) -> bool:
-    """Whether the tests pass against the source tree `src`, run by the interpreter `python`;
-    with `trace` (modules, out), the map of which tests ran each line of them is written to out."""
+) -> bool | None:
+    """Whether the tests pass against the source tree `src`, run by the interpreter `python`
+    (``None``: they ran past `timeout`, a hang or only slow); with `trace` (modules, out), the
+    map of which tests ran each line of them is written to out."""
     env = {**os.environ, "PYTHONPATH": str(src), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTHONPYCACHEPREFIX", None)
     plugin: list[str] = []
@@ -168,7 +169,7 @@ def run_tests(
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         _last_output[:] = [f"timed out after {timeout} s"]
-        return False  # a mutant that hangs the tests is killed (reported as a timeout: it may only be slow)
+        return None
     _last_output[:] = [done.stdout.decode(errors="replace")[-3000:]]
     return done.returncode == 0
 
@@ -259,10 +260,10 @@ def main() -> int:
                 inside.write_text(mutated(inside, index))
                 started = time.monotonic()
                 try:
-                    killed = not run_tests(copy, tests, args.timeout, args.python)
+                    passed = run_tests(copy, tests, args.timeout, args.python)
                 finally:
                     inside.write_text(original)
-                timed_out = killed and _last_output[:1] == [f"timed out after {args.timeout} s"]
+                killed, timed_out = passed is not True, passed is None  # a hang counts as killed
                 verdict = "timeout" if timed_out else "killed" if killed else "SURVIVED"
                 print(f"{verdict:8} {name} ({time.monotonic() - started:.0f} s)", flush=True)
                 if not killed:

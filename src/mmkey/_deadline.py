@@ -307,7 +307,7 @@ class Breaker:
 
     @property
     def wait(self) -> float:
-        """The seconds the breaker stays open after the next failure of a trial (or now, if open)."""
+        """The seconds a failure opens the breaker for now (a failed trial doubles it first)."""
         return self._wait
 
     def is_open(self) -> bool:

@@ -225,9 +225,14 @@ def test_a_rows_seconds_are_the_time_its_own_requests_took() -> None:
 )
 def test_servers_run_on_one_core_and_the_rest_beside_them_then_everything_moves_back() -> None:
     allowed = os.sched_getaffinity(0)
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
-    server = subprocess.Popen([sys.executable, "-c", code])
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    # stand-ins that block until killed: a server with a second thread, and another child
+    code = (
+        "import sys, threading\n"
+        "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+        "sys.stdin.read()\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         started = wait_until(lambda: len(os.listdir(f"/proc/{server.pid}/task")) >= 2, 20)
         assert started, "the server's second thread never started"

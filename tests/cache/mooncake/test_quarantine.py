@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mmkey.cache.mooncake._quarantine import Quarantine
 
 
@@ -95,6 +97,11 @@ def test_each_failed_probe_doubles_the_wait_before_the_next_up_to_longest() -> N
     q.add("h:1", ["b"])  # held again later: the wait starts over
     clock.now += 1.0
     assert [endpoint for endpoint, _ in q.due_probes()] == ["h:1"]
+
+
+def test_longest_below_retry_after_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least retry_after"):
+        Quarantine(retry_after=2.0, clock=FakeClock(), longest=1.0)
 
 
 def test_without_longest_the_probes_keep_their_period() -> None:

@@ -41,8 +41,10 @@ class Quarantine:
     def __init__(
         self, retry_after: float, clock: Callable[[], float] = time.monotonic, longest: float | None = None
     ) -> None:
+        if longest is not None and longest < retry_after:
+            raise ValueError(f"longest ({longest}) must be at least retry_after ({retry_after})")
         self._retry_after = retry_after
-        self._longest = retry_after if longest is None else max(longest, retry_after)
+        self._longest = retry_after if longest is None else longest
         self._clock = clock
         self._held: dict[str, _Held] = {}
         self._answered: dict[str, float] = {}  # when each holder last completed a late transfer
