@@ -211,7 +211,7 @@ SGLANG_TORCH ?= cpu
 SGLANG_READY := $(SGLANG_VENV)/.ready-$(SGLANG_TORCH)
 SGLANG_TESTS := $(addprefix tests/integrations/sglang/,test_sglang_store.py test_sglang_plugin.py test_sglang_keys.py \
     test_sglang_pools.py test_sglang_settings.py test_sglang_lookup.py test_sglang_allowlist.py \
-    test_sglang_single_flight.py)
+    test_sglang_single_flight.py test_sglang_io_loop.py)
 
 $(SGLANG_READY): scripts/sglang-env.sh scripts/new-venv.sh scripts/sglang-requirements.txt scripts/sglang-requirements-cpu.txt \
     scripts/sglang-requirements-cuda.txt scripts/guard-torchvision.sh patches/sglang-0.5.23-cpu-global-cache.patch \

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
     from sglang.srt.mem_cache.embedding_cache_controller import EmbeddingCacheController
     from sglang.srt.mem_cache.embedding_store import EmbeddingStore
+    from sglang.srt.multimodal.modality import Modality as SGLangModality
 
 REQUIRE_ENV = "MMKEY_REQUIRE_SGLANG"
 
@@ -73,4 +74,53 @@ def unpinned_controller(
         controller.io_thread.join(timeout=10)
 
 
-__all__ = ["MiB", "require_sglang", "unpinned_controller", "wait_until"]
+def fill(
+    controller: EmbeddingCacheController, mm_hash: str, tensor: torch.Tensor, modality: SGLangModality
+) -> None:
+    """Put `tensor` into the controller's host pool as a READY entry.
+
+    Stands in for SGLang's `store_to_pool_async`, which copies from a CUDA tensor; the page
+    allocation and the copy into page runs are SGLang's own.
+    """
+    from sglang.srt.mem_cache.embedding_cache_controller import EmbeddingCacheEntry, EntryState
+
+    pool = controller._get_pool(modality)
+    assert pool is not None
+    with controller.lock:
+        runs = controller._allocate_with_eviction(pool, tensor.shape[0])
+        assert runs is not None
+        entry = EmbeddingCacheEntry(
+            hash=mm_hash,
+            modality=modality,
+            num_tokens=tensor.shape[0],
+            dim=tensor.shape[1],
+            page_runs=runs,
+            state=EntryState.FILLING,
+        )
+        controller.entries[mm_hash] = entry
+    controller._copy_embedding_page_runs(tensor, pool.tensor, entry, pool, src_is_pool=False)
+    with controller.lock:
+        controller._mark_ready(entry)
+
+
+def publish(controller: EmbeddingCacheController, hashes: list[str], modality: SGLangModality) -> None:
+    """SGLang's insert_batch, waiting until its I/O thread has put every entry."""
+    controller.insert_batch(hashes, modality)
+    assert wait_until(lambda: all(controller.entries[h].ref_count == 0 for h in hashes), 30)
+
+
+def fetch(
+    controller: EmbeddingCacheController, hashes: list[str], tokens: list[int], modality: SGLangModality
+) -> list[torch.Tensor | None]:
+    """SGLang's prefetch and pool views: the embedding each hash landed as, or None."""
+    import torch
+
+    controller.prefetch("req", hashes, tokens, modality)
+    assert wait_until(lambda: controller.check_prefetch_progress("req"), 30)
+    views = controller.get_pool_views(hashes)
+    found = [None if v is None else torch.cat(v).clone() for v in views]
+    controller.release_pool_views([h for h, v in zip(hashes, views, strict=True) if v is not None])
+    return found
+
+
+__all__ = ["MiB", "fetch", "fill", "publish", "require_sglang", "unpinned_controller", "wait_until"]

@@ -58,6 +58,7 @@ def test_every_server_ran_on_the_cpu_with_mmkeys_store(run: dict[str, Any]) -> N
     texts = {name: (Path(run["logs"]) / f"server-{name}.log").read_text(errors="replace") for name in "abc"}
     for name, text in texts.items():
         assert "mmkey SGLang store: namespace=" in text, f"server {name} did not build mmkey's store"
+        assert "I/O thread waits for work instead of polling" in text, f"server {name} polls its queues"
     assert "hashes=blake3" in texts["c"] and "hashes=sglang" in texts["a"]
 
 

@@ -30,10 +30,12 @@ require_sglang()
 
 import sglang.srt.plugins as plugins  # noqa: E402
 from sglang.srt.disaggregation.encoder.server import MMEncoder  # noqa: E402
+from sglang.srt.mem_cache.embedding_cache_controller import EmbeddingCacheController  # noqa: E402
 from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 
 import mmkey.integrations.sglang._caller_hashes as caller_hashes  # noqa: E402
+import mmkey.integrations.sglang._io_loop as io_loop  # noqa: E402
 import mmkey.integrations.sglang._plugin as integration  # noqa: E402
 import mmkey.integrations.sglang._spawn as spawn_hook  # noqa: E402
 from mmkey.integrations.sglang import BACKEND_ENV, MMKeyEmbeddingStore, SGLangConfigError  # noqa: E402
@@ -60,6 +62,8 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
     monkeypatch.setattr(HookRegistry, "_patched", set())
     monkeypatch.setattr(caller_hashes, "_installed", False)
     monkeypatch.setattr(MMEncoder, "_prepare_encode_context", MMEncoder._prepare_encode_context)
+    monkeypatch.setattr(io_loop, "_installed", False)
+    monkeypatch.setattr(EmbeddingCacheController, "_io_loop", EmbeddingCacheController._io_loop)
     monkeypatch.setattr(spawn_hook, "_problems", {})
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
@@ -518,6 +522,27 @@ def test_without_the_switch_caller_hashes_are_left_to_sglang(fresh_loader: pytes
     plugins.load_plugins()
     assert not caller_hashes.installed()
     assert MMEncoder._prepare_encode_context is original
+
+
+def test_the_switch_makes_the_caches_io_thread_wait_for_work(fresh_loader: pytest.MonkeyPatch) -> None:
+    original = EmbeddingCacheController._io_loop
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    plugins.load_plugins()
+    assert io_loop.installed()
+    applied = EmbeddingCacheController._io_loop
+    assert applied is not original and getattr(applied, "__wrapped__", None) is original
+
+
+def test_without_the_switch_or_with_errors_sglangs_io_loop_is_left(fresh_loader: pytest.MonkeyPatch) -> None:
+    original = EmbeddingCacheController._io_loop
+    plugins.load_plugins()
+    assert EmbeddingCacheController._io_loop is original
+    fresh_loader.setattr(plugins, "_plugins_loaded", False)
+    fresh_loader.setenv(BACKEND_ENV, "1")
+    fresh_loader.delenv("MMKEY_NAMESPACE")
+    plugins.load_plugins()
+    assert integration.plugin_errors() != [] and not io_loop.installed()
+    assert EmbeddingCacheController._io_loop is original
 
 
 # -- MMKEY_SGLANG_HASH=blake3: 128-bit feature hashes through SGLang's hook registry ----------

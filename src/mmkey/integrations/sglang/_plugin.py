@@ -99,7 +99,8 @@ def register_plugin() -> None:
     register `MMKeyEmbeddingStore` as the ``mooncake`` and ``mmkey`` embedding store
     backends, and make the encoder processes SGLang spawns (TP ranks above 0, DP workers) do
     the same before they start (``cover_spawned_encoders``), and give the hashes a request
-    supplies a key space of their own (``_caller_hashes``); otherwise do nothing.
+    supplies a key space of their own (``_caller_hashes``), and make the embedding cache's I/O
+    thread wait for work instead of polling every 1 ms (``_io_loop``); otherwise do nothing.
 
     Configuration errors (the switch's value, ``MMKEY_NAMESPACE``, ``MMKEY_SGLANG_HASH``, the
     Mooncake configuration, SGLang's version) are logged at ERROR and recorded: the store's
@@ -130,6 +131,9 @@ def register_plugin() -> None:
         from mmkey.integrations.sglang import _caller_hashes
 
         _caller_hashes.install()  # a caller's hashes never name the server's own entries
+        from mmkey.integrations.sglang import _io_loop
+
+        _io_loop.install()  # the cache's I/O thread waits for work instead of polling
     if not errors and hash_mode() is HashScheme.BLAKE3:
         from mmkey.integrations.sglang._hash import install
 

@@ -1,6 +1,7 @@
 import threading
 from dataclasses import dataclass
 from enum import Enum
+from queue import Queue
 from typing import Any
 
 import torch
@@ -49,8 +50,28 @@ class EmbeddingCacheEntry:
     state: EntryState
     ref_count: int = ...
 
+class EmbeddingPrefetchOperation:
+    req_id: str
+    keys: list[str]
+    ptrs: list[list[int]]
+    sizes: list[list[int]]
+    is_finished: bool
+    success: bool
+    def __init__(
+        self, req_id: str, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> None: ...
+    def mark_done(self, success: bool) -> None: ...
+
+class EmbeddingInsertOperation:
+    keys: list[str]
+    ptrs: list[list[int]]
+    sizes: list[list[int]]
+    def __init__(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> None: ...
+
 class EmbeddingCacheController:
     embedding_store: EmbeddingStore
+    prefetch_queue: Queue[EmbeddingPrefetchOperation]
+    insert_queue: Queue[EmbeddingInsertOperation]
     vision_pool: EmbeddingPool
     audio_pool: EmbeddingPool
     entries: dict[str, EmbeddingCacheEntry]
@@ -71,6 +92,9 @@ class EmbeddingCacheController:
     def _get_pool(self, modality: Modality) -> EmbeddingPool | None: ...
     def _allocate_with_eviction(self, pool: EmbeddingPool, num_tokens: int) -> list[PageRun] | None: ...
     def _mark_ready(self, entry: EmbeddingCacheEntry) -> None: ...
+    def _finish_get(self, op: EmbeddingPrefetchOperation, results: list[bool]) -> None: ...
+    def _finish_put(self, op: EmbeddingInsertOperation, results: list[bool]) -> None: ...
+    def _io_loop(self) -> None: ...
     def _evict_entry(self, mm_hash: str, remove_lru: bool = True) -> None: ...
     def _copy_embedding_page_runs(
         self,
