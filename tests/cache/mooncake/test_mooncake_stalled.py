@@ -45,6 +45,7 @@ def _cpu_s() -> float:
 
 
 @pytest.mark.mooncake
+@pytest.mark.serial  # measures this process's CPU time and a 0.2 s lookup: alone, not beside the suite
 def test_a_read_stuck_on_a_stopped_holder_frees_its_lane_and_the_cpu(
     one_holder: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:

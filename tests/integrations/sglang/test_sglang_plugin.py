@@ -602,6 +602,24 @@ def test_blake3_makes_sglangs_feature_hashes_128_bit(blake3_plugin: pytest.Monke
     assert encoder_hashes(batch, [16, 16, 16]) == hashed[:3]
 
 
+def test_the_blake3_hash_of_several_tensors_is_pinned() -> None:
+    """Several tensors hash to BLAKE3-128 of their 16-byte big-endian digests in order; the
+    value is pinned, so a change of that layout (which would re-key every stored entry of a
+    multi-tensor item) fails here."""
+    import torch
+
+    from mmkey import HashScheme, hash_bytes, hash_tensor
+    from mmkey.integrations.sglang._hash import feature_hash
+
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    b = torch.ones(2, 4, dtype=torch.float32)
+    digests = b"".join(int(hash_tensor(t, HashScheme.BLAKE3)).to_bytes(16, "big") for t in (a, b))
+    assert feature_hash([a, b]) == int(hash_bytes(digests, HashScheme.BLAKE3))
+    assert feature_hash([a, b]) == 0xE9F2E73238A51EAC1AD39894A64D7AF1
+    assert feature_hash([[a], (b,)]) == feature_hash([a, b])  # nesting is flattened
+    assert feature_hash([b, a]) == 0x95BA1F9A95811AAAE8F92FDD9A65FA1C  # the order counts
+
+
 def test_without_the_switch_sglang_keeps_its_64_bit_hash(fresh_loader: pytest.MonkeyPatch) -> None:
     import torch
 
