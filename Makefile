@@ -137,7 +137,8 @@ $(VLLM_VENV)/.ready: pyproject.toml $(VLLM_VENV)/.packages
 # an environment of its own (scripts/vllm-engine-env.sh, about 35 s from the local wheels).
 VLLM_ENGINE_VENV := .venv-vllm-engine
 VLLM_ENGINE_BIN := $(VLLM_ENGINE_VENV)/bin
-VLLM_TESTS := tests/integrations/vllm/test_vllm_connector.py tests/integrations/vllm/test_vllm_hostile.py tests/integrations/vllm/test_vllm_claims.py tests/integrations/vllm/test_vllm_stubs.py
+VLLM_TESTS := tests/integrations/vllm/test_vllm_connector.py tests/integrations/vllm/test_vllm_hostile.py tests/integrations/vllm/test_vllm_claims.py tests/integrations/vllm/test_vllm_stubs.py \
+    tests/integrations/vllm/test_vllm_scheduler_pins.py tests/integrations/vllm/test_vllm_stager_pins.py tests/integrations/vllm/test_vllm_first_answer.py
 
 $(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/new-venv.sh scripts/vllm-engine-requirements.txt scripts/guard-torchvision.sh pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 pytest.importorskip("sglang")
 
 from mmkey import EmbeddingKey, HashScheme, Modality, mm_hash  # noqa: E402
-from mmkey.integrations.sglang._store import _one_text_each  # noqa: E402
+from mmkey.integrations.sglang._store import _bounded_set, _one_text_each  # noqa: E402
 
 KEY_TEXTS = [
     EmbeddingKey("m", modality, HashScheme.SGLANG, mm_hash(i)).to_key() for i, modality in enumerate(Modality)
@@ -49,3 +49,16 @@ def test_one_text_each_matches_the_per_hash_reference(lookups: Memo, hashes: lis
 
 def test_one_text_each_leaves_unhashable_items_to_the_per_hash_path() -> None:
     assert _one_text_each({"1": KEY_TEXTS[0]}, ["1", ["2"]]) is None  # type: ignore[list-item]
+
+
+def test_bounded_set_keeps_at_most_the_limit_dropping_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's memos stay bounded: a new text drops the oldest, a remembered one drops none."""
+    import mmkey.integrations.sglang._store as store_module
+
+    monkeypatch.setattr(store_module, "_KNOWN_HASHES", 3)
+    memo: dict[str, str] = {}
+    for text in "abcd":
+        _bounded_set(memo, text, text.upper())
+    assert memo == {"b": "B", "c": "C", "d": "D"}
+    _bounded_set(memo, "c", "C2")
+    assert memo == {"b": "B", "c": "C2", "d": "D"}

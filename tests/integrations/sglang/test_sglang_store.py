@@ -34,8 +34,8 @@ from sglang.srt.mem_cache.embedding_cache_controller import EmbeddingCacheContro
 from sglang.srt.mem_cache.embedding_store import EmbeddingStore, EmbeddingStoreFactory  # noqa: E402
 from sglang.srt.multimodal.modality import Modality as SGLangModality  # noqa: E402
 
-from mmkey import Modality, MooncakeConfig  # noqa: E402
-from mmkey.integrations.sglang import MMKeyEmbeddingStore  # noqa: E402
+from mmkey import HashScheme, Modality, MooncakeConfig  # noqa: E402
+from mmkey.integrations.sglang import MMKeyEmbeddingStore, SGLangConfigError  # noqa: E402
 from mmkey.integrations.sglang._recent import RecentlyPresent  # noqa: E402
 from mmkey.testing.mooncake_master import MasterProcess  # noqa: E402
 
@@ -749,3 +749,173 @@ def test_a_squatted_key_is_not_reported_stored_until_it_is_written_over(
     dst, ptrs, sizes = pages(reader, 16)
     assert reader.batch_get_into_multi_buffers(["4242"], ptrs, sizes) == [True]
     assert torch.equal(dst[:16], src[:16])
+
+
+# -- pins: what the mutation pass found no test for -----------------------------------------------
+
+
+def test_a_held_entry_that_does_not_fit_the_pool_is_replaced_by_a_put_that_fits(
+    make_store: Callable[..., MMKeyEmbeddingStore],
+) -> None:
+    """A verified entry of another shape (an encoder of another width) is rewritten, not kept."""
+    first, second, reader = make_store(), make_store(), make_store()
+    wide, ptrs, sizes = pages(first, 20, dim=64)
+    wide[:20] = embedding(20, 64, 519)
+    assert first.batch_put_from_multi_buffers(["5190"], ptrs, sizes) == [True]
+    narrow, ptrs, sizes = pages(second, 40, dim=32)  # the same bytes, another shape
+    narrow[:40] = embedding(40, 32, 520)
+    assert second.batch_put_from_multi_buffers(["5190"], ptrs, sizes) == [True]
+    assert second.stats().skipped == 0  # not kept: it does not fit the pool rows
+    dst, ptrs, sizes = pages(reader, 40, dim=32)
+    assert reader.batch_get_into_multi_buffers(["5190"], ptrs, sizes) == [True]
+    assert torch.equal(dst[:40], narrow[:40])
+
+
+def test_register_pool_registers_its_memory_with_the_store_in_trusted_network_mode(
+    make_store: Callable[..., MMKeyEmbeddingStore],
+) -> None:
+    """A pool of a known modality is registered with Mooncake as `register_buffer`'s pools are."""
+    store = make_store(trusted_network=True)
+    video = torch.zeros(64, 64, dtype=DTYPE)
+    store.register_pool(video, Modality.VIDEO)
+    region = store.cache._transport.region_of(video.data_ptr(), 1)
+    assert region is not None and region.tensor is video
+
+
+def test_lists_of_different_lengths_fail_the_whole_call_and_refuse_no_item(
+    make_store: Callable[..., MMKeyEmbeddingStore],
+) -> None:
+    """Lists that do not pair up are one failed call: no item is looked at (nor counted refused)."""
+    store = make_store()
+    _, _, sizes = pages(store, 4)
+    elsewhere = torch.zeros(4, 64, dtype=DTYPE)  # memory SGLang never registered
+    before = store.stats()
+    call = store.batch_get_into_multi_buffers(["3850", "3851"], [[elsewhere.data_ptr()]], sizes)
+    assert call == [False, False]
+    after = store.stats()
+    assert (after.errors, after.skipped) == (before.errors + 1, before.skipped)
+
+
+def test_a_lookup_claims_and_waits_only_for_the_hashes_it_missed(
+    make_store: Callable[..., MMKeyEmbeddingStore],
+) -> None:
+    """A hash the store holds is neither claimed nor waited for: only the missed one counts."""
+    writer, reader = make_store(claim_wait=RACE_TIMEOUT), make_store(claim_wait=0.3)
+    pool, ptrs, sizes = pages(writer, 8)
+    pool[:8] = embedding(8, 64, 332)
+    assert writer.batch_put_from_multi_buffers(["3320"], ptrs, sizes) == [True]
+    assert writer.batch_is_exist(["3321"]) == [False]  # won: the writer encodes it (and never puts)
+    assert reader.batch_is_exist(["3320", "3321"]) == [True, False]  # 3321 waited for, in vain
+    assert "3320" not in reader._won
+    stats = reader.stats()
+    assert (stats.claims_won, stats.waits_served, stats.waits_timed_out, stats.coalesced) == (0, 0, 1, 0)
+
+
+def unreached_config() -> MooncakeConfig:
+    """A configuration whose master is never reached (the stores below do no store I/O)."""
+    return MooncakeConfig(master_server_address="127.0.0.1:1")
+
+
+def test_construction_refuses_a_config_or_hash_scheme_of_the_wrong_kind() -> None:
+    """A config that is not a `MooncakeConfig` and a scheme SGLang never hashes with are refused."""
+    with pytest.raises(TypeError, match="config must be a MooncakeConfig, got dict"):
+        MMKeyEmbeddingStore(namespace=NAMESPACE, config={"master_server_address": "m:1"}, tp_rank=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="hashes must be HashScheme.SGLANG or HashScheme.BLAKE3"):
+        MMKeyEmbeddingStore(namespace=NAMESPACE, config=unreached_config(), hashes=HashScheme.ID, tp_rank=1)
+
+
+def test_a_store_without_store_io_refuses_a_bad_modality_and_says_so_in_its_repr() -> None:
+    """``register_pool`` checks its modality; the repr of a TP rank above 0 names its role."""
+    store = MMKeyEmbeddingStore(namespace=NAMESPACE, config=unreached_config(), tp_rank=1)
+    with pytest.raises(TypeError, match="modality must be a Modality member"):
+        store.register_pool(torch.zeros(4, 4), "video")  # type: ignore[arg-type]
+    assert repr(store) == f"MMKeyEmbeddingStore(namespace={NAMESPACE!r}, no store I/O in this process)"
+
+
+def test_the_plugins_errors_refuse_a_store_unless_namespace_and_config_are_both_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's construction (either argument missing) refuses; a caller giving both builds."""
+    import mmkey.integrations.sglang._plugin as plugin
+
+    monkeypatch.setattr(plugin, "_plugin_errors", ["a configuration error the plugin recorded"])
+    monkeypatch.setenv("MMKEY_NAMESPACE", "from-env")
+    monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:1")
+    monkeypatch.delenv("MMKEY_SGLANG_HASH", raising=False)
+    monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)
+    recorded = "a configuration error the plugin recorded"
+    with pytest.raises(SGLangConfigError, match=recorded):
+        MMKeyEmbeddingStore(tp_rank=1)
+    with pytest.raises(SGLangConfigError, match=recorded):
+        MMKeyEmbeddingStore(namespace=NAMESPACE, tp_rank=1)
+    with pytest.raises(SGLangConfigError, match=recorded):
+        MMKeyEmbeddingStore(config=unreached_config(), tp_rank=1)
+    assert (
+        MMKeyEmbeddingStore(namespace=NAMESPACE, config=unreached_config(), tp_rank=1).namespace == NAMESPACE
+    )
+
+
+def test_a_fresh_process_logs_the_configuration_of_its_first_store_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store's module as a new process imports it: its first store says what it uses, once."""
+    import importlib.util
+
+    import mmkey.integrations.sglang._plugin as plugin
+    import mmkey.integrations.sglang._store as store_module
+
+    spec = importlib.util.spec_from_file_location("mmkey_fresh_sglang_store", store_module.__file__)
+    assert spec is not None and spec.loader is not None
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    monkeypatch.setattr(plugin, "_plugin_errors", None)
+    monkeypatch.setenv("MMKEY_NAMESPACE", "fresh-model")
+    monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:1")
+    monkeypatch.delenv("MMKEY_SGLANG_HASH", raising=False)
+    monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)
+    with caplog.at_level(logging.INFO, logger=spec.name):
+        fresh.MMKeyEmbeddingStore(tp_rank=1)
+        fresh.MMKeyEmbeddingStore(tp_rank=1)
+    starts = [r.getMessage() for r in caplog.records if r.name == spec.name]
+    assert len(starts) == 1 and "namespace=fresh-model hashes=sglang master=127.0.0.1:1" in starts[0]
+
+
+@pytest.mark.parametrize("rank", [None, True], ids=["unset", "bool"])
+def test_a_runtime_context_without_an_integer_tp_rank_does_store_io(
+    mooncake_master_session: MasterProcess, rank: object
+) -> None:
+    """A partly set up context (no integer rank) is read as rank 0, as a process outside SGLang."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_rank=rank):
+        store = MMKeyEmbeddingStore(namespace=NAMESPACE, config=config(mooncake_master_session))
+    try:
+        assert store.does_io
+    finally:
+        store.close()
+
+
+def test_a_hash_of_the_audio_pool_is_found_by_every_lookup_of_a_store_that_never_moved_it(
+    make_store: Callable[..., MMKeyEmbeddingStore],
+) -> None:
+    """The remembered lookup of a hash of unknown pool asks every pool's key, each time."""
+    writer, reader = make_store(), make_store()
+    for store in (writer, reader):
+        store.register_buffer(torch.zeros(64, 64, dtype=DTYPE))  # the vision pool, then audio
+        store.register_buffer(torch.zeros(64, 32, dtype=DTYPE))
+    clip = torch.zeros(64, 32, dtype=DTYPE)
+    writer.register_pool(clip, Modality.AUDIO)
+    clip[:6] = embedding(6, 32, 377)
+    assert writer.batch_put(["3770"], [clip.data_ptr()], [6 * 32 * 2]) == [True]
+    assert reader.batch_is_exist(["3770"]) == [True]
+    assert reader.batch_is_exist(["3770", "3771"]) == [True, False]  # asked again: the memo's keys
+
+
+def test_a_new_store_counts_nothing() -> None:
+    """Every counter starts at zero; a call a TP rank above 0 answers is one error."""
+    from mmkey.cache.protocol import CacheStats
+
+    store = MMKeyEmbeddingStore(namespace=NAMESPACE, config=unreached_config(), tp_rank=1)
+    assert store.stats() == CacheStats()
+    assert store.batch_is_exist(["1"]) == [False]
+    assert store.stats() == CacheStats(errors=1)
