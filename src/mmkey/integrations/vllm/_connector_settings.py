@@ -39,6 +39,7 @@ EXTRA_CONFIG_KEYS = frozenset(
         "max_pending_save_bytes",
         "max_staged_bytes",
         "producer_wait_s",
+        "first_answer_wait_s",
     }
 )
 """The keys `MMKeyECConnector` reads from ``ec_connector_extra_config``; any other is an error."""
@@ -243,6 +244,22 @@ def _seconds(value: object) -> object:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
+FIRST_ANSWER_WAIT_S = 0.003
+"""The default `ConnectorSettings.first_answer_wait_s`: about four times a hit's lookup,
+fetch and verify on the benchmark host, far less than the engine step a deferral costs."""
+MAX_FIRST_ANSWER_WAIT_S = 0.05
+"""The longest `ConnectorSettings.first_answer_wait_s` (it holds up the scheduler's step)."""
+
+
+def _check_first_answer_wait(_: object, attribute: attrs.Attribute[float], wait: object) -> None:
+    if not isinstance(wait, float):
+        raise TypeError(f"{_extra(attribute.name)} must be seconds (a number), got {wait!r}")
+    if not 0 <= wait <= MAX_FIRST_ANSWER_WAIT_S:
+        raise ValueError(
+            f"{_extra(attribute.name)} must be within 0-{MAX_FIRST_ANSWER_WAIT_S} s, got {wait!r}"
+        )
+
+
 def _check_wait(_: object, attribute: attrs.Attribute[float], wait: object) -> None:
     if not isinstance(wait, float):
         raise TypeError(f"{_extra(attribute.name)} must be seconds (a number), got {wait!r}")
@@ -272,6 +289,11 @@ class ConnectorSettings:
     producer_wait_s: float = attrs.field(default=2.0, converter=_seconds, validator=_check_wait)
     """How long a consumer waits for items a producer said it encoded (``ec_transfer_params``)
     to appear in the store, before encoding them itself."""
+    first_answer_wait_s: float = attrs.field(
+        default=FIRST_ANSWER_WAIT_S, converter=_seconds, validator=_check_first_answer_wait
+    )
+    """How long the scheduler's first look at a request may wait for the answers of its new
+    items, where the lookup thread was idle, before deferring the request a step (0: never)."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -227,13 +227,28 @@ class SchedulerSide:
         not stored yet, or while an item another claimant is encoding has not landed. Each wait
         is bounded from the request's first deferral (the store's timeout plus 0.5 s;
         ``producer_wait_s`` for announced items; `claim_wait` for claimed ones), whatever
-        answers come meanwhile; announced items are asked again at most `_MAX_RETRIES` times."""
+        answers come meanwhile; announced items are asked again at most `_MAX_RETRIES` times.
+        Where the lookup thread is idle, the first look at new items waits for their answers up
+        to ``first_answer_wait_s`` (a few ms) before deferring: a deferral costs vLLM an engine
+        step, more than a lookup that answers at once."""
         stager = self._stager
         if stager is None:
             return True
         state = self._state_of(request)
         if state.waited_out:
             return True
+        wait_s = self._settings.first_answer_wait_s
+        return self._available(
+            request, state, num_computed_tokens, wait_s if wait_s > 0 and stager.idle() else 0.0
+        )
+
+    def _available(
+        self, request: Request, state: _RequestState, num_computed_tokens: int, wait_s: float
+    ) -> bool:
+        """`ensure_cache_available`'s look; `wait_s` > 0: a look that only waits for the first
+        answers of new items waits for them that long, then looks once more."""
+        stager = self._stager
+        assert stager is not None
         now = self._clock()
         retry_due = bool(state.announced) and state.retries < _MAX_RETRIES and now >= state.next_retry
         retried = False
@@ -242,6 +257,7 @@ class SchedulerSide:
         rechecking = False  # an item claimed elsewhere is being looked at again
         missing: list[tuple[int, str]] = []  # (index, identifier) of items answered missing
         held: list[tuple[str, str]] = []  # (key text, identifier) of items claimed elsewhere
+        asked: list[str] = []  # identifiers first asked of the store by this look
         for index, feature in enumerate(request.mm_features):
             modality = modality_of(feature.modality)
             position = feature.mm_position
@@ -273,6 +289,8 @@ class SchedulerSide:
             if first_ask and staged is Staged.MISSING:  # missing for an earlier request: ask again
                 stager.retry(identifier)
                 staged = Staged.PENDING
+            if staged is Staged.PENDING and known is None:
+                asked.append(identifier)
             announced = key.to_key() in state.announced
             if staged is Staged.PENDING:
                 waiting = True
@@ -294,6 +312,9 @@ class SchedulerSide:
         waiting_for_claims |= rechecking
         if not waiting and not waiting_for_claims:
             return True
+        first_answers_only = bool(asked) and not (waiting_for_producer or waiting_for_claims or retried)
+        if wait_s > 0 and first_answers_only and stager.wait_answered(asked, wait_s):
+            return self._available(request, state, num_computed_tokens, 0.0)  # answered: look again
         if state.lookup_deadline is None:
             self._counts.add(deferred=1)
             state.lookup_deadline = now + self._lookup_wait

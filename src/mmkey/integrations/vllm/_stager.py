@@ -144,6 +144,7 @@ class Stager:
         self._queue: list[str] = []
         self._bytes = 0
         self._closed = False
+        self._calling = False  # the thread is in a store call
         self._counts = Counters()  # named as the fields of StagerCounts
         self._entry_bytes = 8 << 20  # a guess until the first entry is read
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -161,6 +162,25 @@ class Stager:
             self._queue.append(name)
             self._cond.notify_all()
             return Staged.PENDING
+
+    def idle(self) -> bool:
+        """Whether the thread has nothing queued and no store call under way (a new item is
+        asked at once)."""
+        with self._cond:
+            return not self._queue and not self._calling
+
+    def wait_answered(self, names: list[str], timeout: float) -> bool:
+        """Wait at most `timeout` seconds (of the wall's monotonic clock, however many other
+        answers come meanwhile) until none of `names` is `Staged.PENDING`; whether none is."""
+
+        def answered() -> bool:
+            return self._closed or all(
+                (entry := self._entries.get(name)) is None or entry.state is not Staged.PENDING
+                for name in names
+            )
+
+        with self._cond:
+            return self._cond.wait_for(answered, timeout)
 
     def retry(self, name: str, *, claim: bool = True) -> None:
         """Ask again for a `MISSING` or `HELD` item (it may have been stored since); `claim`:
@@ -302,11 +322,16 @@ class Stager:
                 names = list(dict.fromkeys(self._queue))
                 self._queue.clear()
                 asked = [(n, self._entries[n]) for n in names if n in self._entries]
+                self._calling = True
             # calls of about _CALL_BYTES each, so that every call fits the store's timeout and
             # the first answers are usable before the last are read
             per_call = max(1, _CALL_BYTES // self._entry_bytes) if self._fetch else len(asked)
-            for start in range(0, len(asked), per_call):
-                self._answer(asked[start : start + per_call])
+            try:
+                for start in range(0, len(asked), per_call):
+                    self._answer(asked[start : start + per_call])
+            finally:
+                with self._cond:
+                    self._calling = False
 
     def _answer(self, asked: list[tuple[str, _Entry]]) -> None:
         keys = [entry.key for _, entry in asked]
