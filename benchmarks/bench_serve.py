@@ -2,9 +2,10 @@
 
 Run in the vLLM engine environment (``make bench-serve``, or ``python benchmarks/bench_serve.py
 [--quick]`` there). Builds a random-weight LLaVA whose vision tower costs what a real one does
-(CLIP at 336 px in 14 px patches, 576 image tokens, hidden 384 x 12 layers: 100-200 ms an
-image on one core of this CPU, a 7B VLM's tower per high-resolution image on a GPU) and a
-two-layer decoder; nothing is downloaded. Every configuration runs two engines (the fleet:
+(CLIP at 336 px in 14 px patches, 576 image tokens, ViT-B's width: hidden 768, 12 heads, with
+as many layers as make one image cost about 200 ms on one core of this CPU, measured at start
+(`calibrated_layers`): a 7B VLM's tower per high-resolution image on a GPU) and a two-layer
+decoder; nothing is downloaded. Every configuration runs two engines (the fleet:
 requests alternate between them) on one machine, each answering streamed
 ``/v1/chat/completions`` (2 output tokens); a load generator of its own (`loadgen`) replays a
 seeded trace with Zipf-like image reuse at 1, 4 and 16 concurrent clients. Rows:
@@ -58,8 +59,50 @@ sys.path.insert(0, str(HERE))
 import loadgen  # noqa: E402
 import serve_tables  # noqa: E402
 
-IMAGE, PATCH, HIDDEN, LAYERS = 336, 14, 384, 12
+IMAGE, PATCH = 336, 14
+HIDDEN, HEADS, MLP = 768, 12, 3072
+"""The tower's width: ViT-B/16's (CLIP ViT-B), at 336 px in 14 px patches."""
+TOWER_TARGET_MS = 200.0
+"""What one image's tower run should cost: its layer count is calibrated to it on this CPU."""
+MAX_LAYERS = 24
 IMAGE_TOKENS = (IMAGE // PATCH) ** 2
+
+
+def calibrated_layers(target_ms: float = TOWER_TARGET_MS) -> tuple[int, float]:
+    """How many ViT-B-wide layers make one image's tower cost about `target_ms` on one core of
+    this CPU in bfloat16 (the engines' dtype), and one layer's median ms: hosts differ several
+    times over (bfloat16 matrix units or none), and a tower far below 100 ms is a toy."""
+    import importlib
+
+    import torch
+
+    CLIPVisionConfig: Any = importlib.import_module("transformers").CLIPVisionConfig
+    CLIPEncoderLayer: Any = importlib.import_module("transformers.models.clip.modeling_clip").CLIPEncoderLayer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = CLIPVisionConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=MLP,
+            num_attention_heads=HEADS,
+            image_size=IMAGE,
+            patch_size=PATCH,
+        )
+        config._attn_implementation = "sdpa"
+        layer = CLIPEncoderLayer(config).to(torch.bfloat16).eval()
+        x = torch.randn(1, IMAGE_TOKENS + 1, HIDDEN, dtype=torch.bfloat16)
+        times = []
+        with torch.inference_mode():
+            for _ in range(7):
+                t0 = time.perf_counter()
+                layer(x, None)
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    per_layer = statistics.median(times[2:]) * 1e3
+    return max(1, min(MAX_LAYERS, round(target_ms / per_layer))), per_layer
+
+
 TEMPLATE = (
     "{%- for message in messages -%}{%- if message['content'] is string -%}USER: "
     "{{ message['content'] }}{%- else -%}USER:{%- for part in message['content'] -%}"
@@ -391,6 +434,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--engines", type=int, default=2, help="engines per row, sharing the store (default 2)")
     p.add_argument("--no-fault", action="store_true", help="skip the paused-store run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tower-layers",
+        type=int,
+        default=None,
+        help="the tower's layers (default: calibrated to ~200 ms an image)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.clients, args.reuse = 24, "1,16", "0.8"
@@ -410,12 +459,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="mmkey-bench-serve-"))
+    layers, layer_ms = calibrated_layers() if args.tower_layers is None else (args.tower_layers, 0.0)
     model = build_tiny_llava(
         workdir / "model",
         image_size=IMAGE,
         patch=PATCH,
         tower_hidden=HIDDEN,
-        tower_layers=LAYERS,
+        tower_layers=layers,
+        tower_heads=HEADS,
+        tower_intermediate=MLP,
         max_positions=2048,
     )
     plan = [(reuse, c) for reuse in reuses for c in clients]
@@ -485,7 +537,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         serve_tables.render(
-            report, IMAGE_TOKENS, f"CLIP {IMAGE} px / {PATCH} px patches, hidden {HIDDEN} x {LAYERS} layers"
+            report,
+            IMAGE_TOKENS,
+            f"CLIP {IMAGE} px / {PATCH} px patches, hidden {HIDDEN} x {layers} layers"
+            + (f" (calibrated: {layer_ms:.1f} ms a layer here)" if layer_ms else ""),
         )
     )
     shutil.rmtree(workdir, ignore_errors=True)  # kept, with every engine's log, when a run fails

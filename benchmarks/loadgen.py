@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import itertools
 import json
 import math
 import os
@@ -215,19 +216,24 @@ async def replay(
 async def turns(
     rows: Sequence[tuple[str, Sequence[Callable[[], Awaitable[Outcome]]]]],
     clock: Callable[[], float] = time.perf_counter,
+    seed: int = 0,
 ) -> dict[str, tuple[list[Outcome], float]]:
     """Every row's requests one at a time, the rows taking turns: request i of each row before
-    request i + 1 of any, the row that goes first turning with each i, so that each row's i-th
-    request meets the host as the others' did (at one client a row's p99 is close to its
-    slowest request, and a shared host's speed drifts within seconds). Each row's outcomes (in
-    its order) and the seconds its own requests took in all, by `clock`."""
+    request i + 1 of any, so that each row's i-th request meets the host as the others' did (at
+    one client a row's p99 is close to its slowest request, and a shared host's speed drifts
+    within seconds). The order of each turn cycles through every permutation of the rows (in
+    a seeded order): each row goes first, and right after each other row, equally often; a
+    request leaves work behind (a background save, a freed cache) that slows the one after it.
+    Each row's outcomes (in its order) and the seconds its own requests took in all, by `clock`."""
     names = [name for name, _ in rows]
     if len(set(names)) != len(names):
         raise ValueError("turns: each row once")
+    orders = list(itertools.permutations(range(len(rows))))
+    random.Random(seed).shuffle(orders)
     done: dict[str, tuple[list[Outcome], float]] = {name: ([], 0.0) for name in names}
     for i in range(max((len(sends) for _, sends in rows), default=0)):
-        for j in range(len(rows)):
-            name, sends = rows[(i + j) % len(rows)]
+        for j in orders[i % len(orders)]:
+            name, sends = rows[j]
             if i < len(sends):
                 start = clock()
                 outcome = await sends[i]()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import os
 import subprocess
 import sys
@@ -195,11 +196,19 @@ def test_rows_take_turns_one_request_at_a_time_the_first_row_turning() -> None:
 
         return go
 
-    rows = [(row, [send(f"{row}{i}") for i in range(n)]) for row, n in (("a", 3), ("b", 3), ("c", 2))]
+    rows = [(row, [send(f"{row}{i}") for i in range(n)]) for row, n in (("a", 12), ("b", 12), ("c", 11))]
     done = asyncio.run(loadgen.turns(rows))
-    assert sent == ["a0", "b0", "c0", "b1", "c1", "a1", "a2", "b2"]  # c has only two
-    assert [o.body for o in done["a"][0]] == [b"a0", b"a1", b"a2"], "each row's outcomes in its order"
-    assert [len(done[r][0]) for r in "abc"] == [3, 3, 2]
+    turns = [sorted(sent[3 * i : 3 * i + 3]) for i in range(11)]
+    assert turns == [[f"a{i}", f"b{i}", f"c{i}"] for i in range(11)], "request i of each row before i + 1"
+    assert sorted(sent[33:]) == ["a11", "b11"]  # c has only eleven
+    assert [o.body for o in done["a"][0]] == [f"a{i}".encode() for i in range(12)], "in its order"
+    assert [len(done[r][0]) for r in "abc"] == [12, 12, 11]
+    # the first 6 turns are the 6 orders of three rows: each row first twice, right after each
+    # other row twice
+    orders = [tuple(tag[0] for tag in sent[3 * i : 3 * i + 3]) for i in range(6)]
+    assert sorted(orders) == sorted(itertools.permutations("abc"))
+    assert orders[0] == tuple(tag[0] for tag in sent[18:21]), "then the same orders again"
+    assert orders != sorted(orders), "in a seeded shuffle, not lexical order"
     assert all(seconds >= 0.0 for _, seconds in done.values())
     with pytest.raises(ValueError, match="each row once"):
         asyncio.run(loadgen.turns([("a", []), ("a", [])]))

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from mmkey import CacheKey, EmbeddingKey, HashScheme, MemoryCache, Modality, identifier_digest
-from mmkey.integrations._background_saver import BackgroundSaver, SaverCounts
+from mmkey.integrations._background_saver import HOLD_POLL_S, MAX_HOLD_S, BackgroundSaver, SaverCounts
+from tests._support import wait_until
 
 
 def key(name: str) -> EmbeddingKey:
@@ -191,3 +192,80 @@ def test_on_done_names_every_finished_save_before_a_flush_returns() -> None:
     assert not saver.close(0.05)
     assert key("queued").to_key() in done  # dropped at close
     cache.gate.set()
+
+
+class StuckClock:
+    """A clock that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_held_save_waits_for_release_held_then_is_written() -> None:
+    cache = GatedCache()
+    cache.gate.set()
+    clock = StuckClock()
+    saver = BackgroundSaver(cache, 1 << 20, hold_s=MAX_HOLD_S, clock=clock)
+    t = torch.ones(4, 4)
+    assert saver.submit(key("a"), t)
+    assert saver.counts().held == 1 and saver.counts().pending_bytes == t.nbytes
+    # the thread looks at the clock every HOLD_POLL_S; with the clock stuck it never writes
+    assert not cache.entered.wait(10 * HOLD_POLL_S)
+    saver.release_held()
+    assert wait_until(lambda: saver.counts().saved == 1, 10)
+    assert saver.counts().held == 0 and cache.get_embeddings([key("a")])[0] is not None
+    saver.close(5)
+
+
+def test_release_held_lets_go_of_the_saves_queued_so_far_only() -> None:
+    cache = MemoryCache(16 << 20)
+    clock = StuckClock()
+    saver = BackgroundSaver(cache, 1 << 20, hold_s=MAX_HOLD_S, clock=clock)
+    assert saver.submit(key("early"), torch.ones(4, 4))
+    saver.release_held()
+    assert saver.submit(key("late"), torch.ones(4, 4))
+    assert wait_until(lambda: saver.counts().saved == 1, 10)
+    assert saver.counts().held == 1
+    assert cache.batch_is_exist([key("early"), key("late")]) == [True, False]
+    saver.close(5)
+
+
+def test_a_held_save_is_written_once_its_hold_has_passed_without_release() -> None:
+    cache = MemoryCache(16 << 20)
+    clock = StuckClock()
+    saver = BackgroundSaver(cache, 1 << 20, hold_s=0.5, clock=clock)
+    assert saver.submit(key("a"), torch.ones(4, 4))
+    clock.now += 0.49
+    assert saver.counts().held == 1  # not due yet (the thread may look meanwhile)
+    clock.now += 0.02  # its absolute bound: no release comes
+    assert wait_until(lambda: saver.counts().saved == 1, 10)
+    assert cache.batch_is_exist([key("a")]) == [True]
+    saver.close(5)
+
+
+def test_flush_and_close_write_held_saves() -> None:
+    cache = MemoryCache(16 << 20)
+    saver = BackgroundSaver(cache, 1 << 20, hold_s=MAX_HOLD_S, clock=StuckClock())
+    assert saver.submit(key("a"), torch.ones(4, 4))
+    assert saver.flush(10) and saver.counts().saved == 1
+    assert saver.submit(key("b"), torch.ones(4, 4))
+    assert saver.close(10) and cache.batch_is_exist([key("a"), key("b")]) == [True, True]
+
+
+def test_without_a_hold_nothing_is_held() -> None:
+    cache = GatedCache()
+    saver = BackgroundSaver(cache, 1 << 20, clock=StuckClock())
+    assert saver.submit(key("a"), torch.ones(4, 4))
+    assert cache.entered.wait(10), "written at once, whatever the clock says"
+    assert saver.counts().held == 0
+    cache.gate.set()
+    saver.close(5)
+
+
+@pytest.mark.parametrize("hold", [-0.01, MAX_HOLD_S + 0.01, True, "0.1"])
+def test_a_hold_out_of_range_is_refused(hold: object) -> None:
+    with pytest.raises(ValueError, match=f"hold_s must be seconds within 0-{MAX_HOLD_S}"):
+        BackgroundSaver(MemoryCache(1 << 20), 1 << 20, hold_s=hold)  # type: ignore[arg-type]

@@ -3,7 +3,9 @@
 The caller's thread only records when its tensors are ready (a CUDA event per device, nothing
 for CPU tensors) and queues them; the saver thread waits for that point, then writes every
 queued entry with one `insert_batch`. Queued tensors are bounded by bytes: past the budget a
-save is dropped (counted), never waited for.
+save is dropped (counted), never waited for. With a hold (`hold_s`), a save waits until the
+caller says its work is past (`release_held`: vLLM's next engine step) or `hold_s` has passed,
+so that writing it does not take the CPU from the request that produced it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from mmkey.keys import CacheKey
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BackgroundSaver", "SaverCounts"]
+__all__ = ["HOLD_POLL_S", "MAX_HOLD_S", "BackgroundSaver", "SaverCounts"]
+
+MAX_HOLD_S = 1.0
+"""The longest hold a saver takes: a held save delays its entry for every other reader."""
+HOLD_POLL_S = 0.01
+"""How often the saver thread looks at its clock while it holds saves (and nothing else
+wakes it)."""
 
 
 @attrs.frozen(slots=True)
@@ -39,6 +47,8 @@ class SaverCounts:
     """Saves not written because the cache already held the key (checked before writing)."""
     pending_bytes: int = 0
     """Bytes of tensors queued or being written now."""
+    held: int = 0
+    """Saves queued and held now (waiting for `BackgroundSaver.release_held` or their hold)."""
 
 
 @attrs.define(slots=True)
@@ -48,6 +58,8 @@ class _Job:
     tensor: torch.Tensor
     nbytes: int
     ready: HostReady
+    due: float
+    """When its hold ends (the saver's clock); 0.0 once released."""
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
@@ -64,7 +76,10 @@ class BackgroundSaver:
     `on_failure(message)` is called on the saver thread for every failed call (the caller
     rate-limits its logging); it must not raise. `on_done(texts)`, where given, is called with
     the key texts of every save that finished (written, skipped, failed, dropped at `close`),
-    on the saver thread; it must not raise.
+    on the saver thread; it must not raise. `hold_s` > 0: a save is written only after
+    `release_held` (or `flush`, `close`) or once `hold_s` has passed on `clock` since it was
+    queued, whichever comes first (its absolute bound; the thread looks at the clock at least
+    every `HOLD_POLL_S` while it holds saves).
     """
 
     def __init__(
@@ -75,7 +90,13 @@ class BackgroundSaver:
         name: str = "mmkey-saver",
         max_batch_bytes: int = 64 << 20,
         on_done: Callable[[list[str]], None] | None = None,
+        *,
+        hold_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        hold: object = hold_s
+        if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= MAX_HOLD_S:
+            raise ValueError(f"hold_s must be seconds within 0-{MAX_HOLD_S}, got {hold_s!r}")
         if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int):
             raise TypeError(f"max_pending_bytes must be an int, got {max_pending_bytes!r}")
         if max_pending_bytes <= 0:
@@ -85,6 +106,8 @@ class BackgroundSaver:
         self._batch_bytes = max_batch_bytes
         self._on_failure = on_failure
         self._on_done = on_done
+        self._hold = float(hold_s)
+        self._clock = clock
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._queued_texts: set[str] = set()
@@ -110,19 +133,36 @@ class BackgroundSaver:
             if self._closed or self._pending_bytes + nbytes > self._budget:
                 self._dropped += 1
                 return False
-            self._queue.append(_Job(key, text, tensor, nbytes, ready))
+            self._queue.append(
+                _Job(key, text, tensor, nbytes, ready, self._clock() + self._hold if self._hold else 0.0)
+            )
             self._queued_texts.add(text)
             self._pending_bytes += nbytes
             self._cond.notify_all()
         return True
 
+    def release_held(self) -> None:
+        """Let every save queued so far be written now (their producer's work is past)."""
+        with self._cond:
+            held = False
+            for job in self._queue:
+                held |= job.due > 0.0
+                job.due = 0.0
+            if held:
+                self._cond.notify_all()
+
     def counts(self) -> SaverCounts:
         """A snapshot of this saver's counters."""
         with self._cond:
-            return SaverCounts(self._saved, self._failed, self._dropped, self._skipped, self._pending_bytes)
+            held = sum(1 for job in self._queue if job.due > 0.0)
+            return SaverCounts(
+                self._saved, self._failed, self._dropped, self._skipped, self._pending_bytes, held
+            )
 
     def flush(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds until every queued save has been written or failed."""
+        """Wait up to `timeout` seconds until every queued save (held ones too) has been
+        written or failed."""
+        self.release_held()
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._queue or self._busy:
@@ -153,11 +193,14 @@ class BackgroundSaver:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if self._closed and not self._queue:
+                batch = self._take_due()
+                while not batch and not self._closed:
+                    self._cond.wait(self._next_look() if self._queue else None)
+                    batch = self._take_due()
+                if self._closed and not self._queue and not batch:
                     return
-                batch, self._queue = self._queue, []
+                if not batch:  # closed: whatever is left is written now
+                    batch, self._queue = self._queue, []
                 self._busy = True
             batch, skipped = self._without_existing(batch)
             ok = sum(self._write(batch))
@@ -177,6 +220,22 @@ class BackgroundSaver:
                 self._pending_bytes -= nbytes
                 self._busy = False
                 self._cond.notify_all()
+
+    def _next_look(self) -> float:
+        """Seconds until the first held job is due, at most `HOLD_POLL_S` (under the lock)."""
+        return max(0.0, min(HOLD_POLL_S, min(job.due for job in self._queue) - self._clock()))
+
+    def _take_due(self) -> list[_Job]:
+        """The queued jobs whose hold is over, taken off the queue (under the lock)."""
+        if not self._queue:
+            return []
+        now = self._clock()
+        due = [job for job in self._queue if job.due <= now]
+        if len(due) < len(self._queue):
+            self._queue = [job for job in self._queue if job.due > now]
+        else:
+            self._queue = []
+        return due
 
     def _without_existing(self, batch: list[_Job]) -> tuple[list[_Job], list[_Job]]:
         """Split `batch` into (to write, already stored); a failed check writes them all."""

@@ -89,12 +89,15 @@ def build_tiny_llava(
     patch: int = PATCH,
     tower_hidden: int = 32,
     tower_layers: int = 2,
+    tower_heads: int = 2,
+    tower_intermediate: int | None = None,
     max_positions: int = 512,
 ) -> Path:
     """Write the model, its tokenizer and its processor into `out`; returns `out`.
 
-    The tower's sizes can be raised (a benchmark wants a tower whose cost matters), and the
-    decoder's context with them (``max_positions``: more image tokens than 512)."""
+    The tower's sizes can be raised (a benchmark wants a tower whose cost matters; the MLP is
+    twice the width unless `tower_intermediate` says), and the decoder's context with them
+    (``max_positions``: more image tokens than 512)."""
     import torch
 
     safetensors = _untyped("safetensors.torch")
@@ -113,9 +116,9 @@ def build_tiny_llava(
     torch.manual_seed(seed)
     vision = CLIPVisionConfig(
         hidden_size=tower_hidden,
-        intermediate_size=2 * tower_hidden,
+        intermediate_size=2 * tower_hidden if tower_intermediate is None else tower_intermediate,
         num_hidden_layers=tower_layers,
-        num_attention_heads=2,
+        num_attention_heads=tower_heads,
         image_size=image_size,
         patch_size=patch,
         projection_dim=32,

@@ -72,10 +72,13 @@ def vllm_config(role: ECRole, **extra: Any) -> VllmConfig:
     """A real model-less `VllmConfig` whose EC connector is mmkey's, loaded by module path.
 
     ``first_answer_wait_s`` is 0 unless given: a first look defers its request, whatever the
-    host's speed, so that a test sees each step as it sets it up (its own tests set it)."""
+    host's speed, so that a test sees each step as it sets it up (its own tests set it).
+    ``save_hold_s`` is 0 unless given: a save starts at once, as the tests of saves expect
+    (its own tests set it)."""
     from vllm.config import ECTransferConfig, VllmConfig
 
     extra.setdefault("first_answer_wait_s", 0.0)
+    extra.setdefault("save_hold_s", 0.0)
 
     return VllmConfig(
         ec_transfer_config=ECTransferConfig(
@@ -97,6 +100,7 @@ def producer_only_config(**extra: Any) -> VllmConfig:
     from vllm.config import ECTransferConfig
 
     extra.setdefault("first_answer_wait_s", 0.0)
+    extra.setdefault("save_hold_s", 0.0)
     config = vllm_config("ec_both", **extra)
     config.ec_transfer_config = ECTransferConfig(
         ec_connector="MMKeyECConnector",

@@ -133,6 +133,7 @@ class MMKeyECConnector(ECConnectorBase):
             save=role is ECConnectorRole.WORKER and self.is_producer,
             counts=self._counts,
             warn=self._warn,
+            save_hold_s=self._settings.save_hold_s,
         )
 
     @property
@@ -204,6 +205,12 @@ class MMKeyECConnector(ECConnectorBase):
     def _metadata(self) -> MMKeyECMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, MMKeyECMetadata) else None
+
+    def bind_connector_metadata(self, connector_metadata: ECConnectorMetadata) -> None:
+        """vLLM's worker begins a step (every step of a multimodal model): the saves of earlier
+        steps are written from now on, off the step that encoded them."""
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.step_started()
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         """Put this step's staged tensors into ``encoder_cache``, on this worker's device.

@@ -40,6 +40,7 @@ EXTRA_CONFIG_KEYS = frozenset(
         "max_staged_bytes",
         "producer_wait_s",
         "first_answer_wait_s",
+        "save_hold_s",
     }
 )
 """The keys `MMKeyECConnector` reads from ``ec_connector_extra_config``; any other is an error."""
@@ -260,6 +261,19 @@ def _check_first_answer_wait(_: object, attribute: attrs.Attribute[float], wait:
         )
 
 
+SAVE_HOLD_S = 0.05
+"""The default `ConnectorSettings.save_hold_s`."""
+
+
+def _check_save_hold(_: object, attribute: attrs.Attribute[float], hold: object) -> None:
+    from mmkey.integrations._background_saver import MAX_HOLD_S
+
+    if not isinstance(hold, float):
+        raise TypeError(f"{_extra(attribute.name)} must be seconds (a number), got {hold!r}")
+    if not 0 <= hold <= MAX_HOLD_S:
+        raise ValueError(f"{_extra(attribute.name)} must be within 0-{MAX_HOLD_S} s, got {hold!r}")
+
+
 def _check_wait(_: object, attribute: attrs.Attribute[float], wait: object) -> None:
     if not isinstance(wait, float):
         raise TypeError(f"{_extra(attribute.name)} must be seconds (a number), got {wait!r}")
@@ -294,6 +308,10 @@ class ConnectorSettings:
     )
     """How long the scheduler's first look at a request may wait for the answers of its new
     items, where the lookup thread was idle, before deferring the request a step (0: never)."""
+    save_hold_s: float = attrs.field(default=SAVE_HOLD_S, converter=_seconds, validator=_check_save_hold)
+    """How long a new encoder output's save waits at most for the engine step that encoded it
+    to end (the next step's start), so that writing it does not take the CPU from that step's
+    forward pass (0: saves start at once)."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -34,7 +34,8 @@ def tensor_parallel_rank() -> int:
 
 class WorkerSide:
     """The worker hooks of `MMKeyECConnector` (see the connector). `save`: whether this
-    worker saves (a producer's worker); only tensor-parallel rank 0 of them does."""
+    worker saves (a producer's worker); only tensor-parallel rank 0 of them does. A save waits
+    for the step that encoded it to end (`step_started`), at most `save_hold_s`."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class WorkerSide:
         save: bool,
         counts: Counters,
         warn: Callable[[str, str], None],
+        save_hold_s: float = 0.0,
     ) -> None:
         self._counts = counts
         self._device: torch.device | None = None
@@ -59,6 +61,7 @@ class WorkerSide:
                 on_failure=lambda message: warn("save", message),
                 name="mmkey-vllm-saver",
                 on_done=self._finished if report else None,
+                hold_s=save_hold_s,
             )
         self._report = self._saver is not None and claim_wait_of(cache) > 0
 
@@ -77,6 +80,11 @@ class WorkerSide:
             else:
                 self._device = torch.device(current_platform.device_type)
         return self._device
+
+    def step_started(self) -> None:
+        """A new engine step began: the saves queued in earlier steps are written now."""
+        if self._saver is not None:
+            self._saver.release_held()
 
     def start_load_caches(self, meta: MMKeyECMetadata | None, encoder_cache: dict[str, torch.Tensor]) -> None:
         """Put this step's staged tensors into ``encoder_cache``, on this worker's device.
