@@ -18,6 +18,7 @@ import torch
 
 from mmkey import CacheKey, EmbeddingKey, HashScheme, MemoryCache, Modality, identifier_digest
 from mmkey.integrations._background_saver import HOLD_POLL_S, MAX_HOLD_S, BackgroundSaver, SaverCounts
+from tests._clock import FakeClock
 from tests._support import wait_until
 
 
@@ -194,20 +195,10 @@ def test_on_done_names_every_finished_save_before_a_flush_returns() -> None:
     cache.gate.set()
 
 
-class StuckClock:
-    """A clock that moves only when the test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_held_save_waits_for_release_held_then_is_written() -> None:
     cache = GatedCache()
     cache.gate.set()
-    clock = StuckClock()
+    clock = FakeClock()
     saver = BackgroundSaver(cache, 1 << 20, hold_s=MAX_HOLD_S, clock=clock)
     t = torch.ones(4, 4)
     assert saver.submit(key("a"), t)
@@ -222,7 +213,7 @@ def test_a_held_save_waits_for_release_held_then_is_written() -> None:
 
 def test_release_held_lets_go_of_the_saves_queued_so_far_only() -> None:
     cache = MemoryCache(16 << 20)
-    clock = StuckClock()
+    clock = FakeClock()
     saver = BackgroundSaver(cache, 1 << 20, hold_s=MAX_HOLD_S, clock=clock)
     assert saver.submit(key("early"), torch.ones(4, 4))
     saver.release_held()
@@ -235,12 +226,12 @@ def test_release_held_lets_go_of_the_saves_queued_so_far_only() -> None:
 
 def test_a_held_save_is_written_once_its_hold_has_passed_without_release() -> None:
     cache = MemoryCache(16 << 20)
-    clock = StuckClock()
+    clock = FakeClock()
     saver = BackgroundSaver(cache, 1 << 20, hold_s=0.5, clock=clock)
     assert saver.submit(key("a"), torch.ones(4, 4))
-    clock.now += 0.49
+    clock.advance(0.49)
     assert saver.counts().held == 1  # not due yet (the thread may look meanwhile)
-    clock.now += 0.02  # its absolute bound: no release comes
+    clock.advance(0.02)  # its absolute bound: no release comes
     assert wait_until(lambda: saver.counts().saved == 1, 10)
     assert cache.batch_is_exist([key("a")]) == [True]
     saver.close(5)
@@ -248,7 +239,7 @@ def test_a_held_save_is_written_once_its_hold_has_passed_without_release() -> No
 
 def test_flush_and_close_write_held_saves() -> None:
     cache = MemoryCache(16 << 20)
-    saver = BackgroundSaver(cache, 1 << 20, hold_s=MAX_HOLD_S, clock=StuckClock())
+    saver = BackgroundSaver(cache, 1 << 20, hold_s=MAX_HOLD_S, clock=FakeClock())
     assert saver.submit(key("a"), torch.ones(4, 4))
     assert saver.flush(10) and saver.counts().saved == 1
     assert saver.submit(key("b"), torch.ones(4, 4))
@@ -257,7 +248,7 @@ def test_flush_and_close_write_held_saves() -> None:
 
 def test_without_a_hold_nothing_is_held() -> None:
     cache = GatedCache()
-    saver = BackgroundSaver(cache, 1 << 20, clock=StuckClock())
+    saver = BackgroundSaver(cache, 1 << 20, clock=FakeClock())
     assert saver.submit(key("a"), torch.ones(4, 4))
     assert cache.entered.wait(10), "written at once, whatever the clock says"
     assert saver.counts().held == 0
