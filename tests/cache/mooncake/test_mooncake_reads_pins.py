@@ -279,10 +279,16 @@ def test_a_large_entry_whose_buffer_cannot_be_registered_is_a_counted_miss(
 ) -> None:
     with MooncakeCache(config(master), keyring=None, store_class=FakeMooncakeStore) as cache:
         assert cache.insert_batch([key(16)], [LARGE]) == [True]
+        assert cache.insert_batch([key(99)], [torch.ones(4)]) == [True]
         master.fail_next("register_buffer", code=-1)  # the buffer of its own, for the read alone
-        assert cache.get_embeddings([key(16)]) == [None]
+        got = cache.get_embeddings([key(16), key(99)])
+        assert got[0] is None and got[1] is not None, "the other entry of the call is read"
         assert cache.stats().errors == 1
         assert master.calls["get_into"] == 0  # never read into memory the store does not know
+        # this client's memory, not the master: no breaker, the next read is served
+        assert not cache.health().breaker_open
+        again = cache.get_embeddings([key(16)])[0]
+        assert again is not None and torch.equal(again, LARGE)
 
 
 def test_a_failed_transfer_quarantines_no_holder_while_the_master_is_silent(

@@ -188,3 +188,17 @@ def test_an_entry_larger_than_staging_is_written_with_every_replica(master: Fake
     finally:
         for holder in holders:
             holder.close()
+
+
+def test_a_large_write_whose_buffer_cannot_be_registered_fails_alone_and_opens_no_breaker(
+    master: FakeMooncakeMaster,
+) -> None:
+    large = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB: more than the staging buffer
+    with make_cache(master) as cache:
+        master.fail_next("register_buffer", code=-1)  # the buffer of its own, for this write alone
+        assert cache.insert_batch([key(90), key(91)], [large, torch.ones(4)]) == [False, True]
+        assert cache.stats().errors == 1
+        assert not cache.health().breaker_open, "this client's memory, not the master"
+        assert cache.insert_batch([key(90)], [large]) == [True]
+        got = cache.get_embeddings([key(90)])[0]
+        assert got is not None and torch.equal(got, large)

@@ -39,6 +39,7 @@ __all__ = [
     "ALIGN",
     "MIN_SLOT",
     "ReadSlots",
+    "RegistrationRefused",
     "Staging",
     "aligned",
     "faulted_in",
@@ -99,12 +100,19 @@ def faulted_in(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 
+class RegistrationRefused(RuntimeError):
+    """This client could not register a buffer of its own (its memory, not the master): the
+    one transfer that needed it is a counted miss or failed write, and no store fault."""
+
+
 @contextlib.contextmanager
 def registered(store: MooncakeDistributedStore, buf: torch.Tensor) -> Iterator[int]:
-    """Register `buf` with the store for a zero-copy transfer; yields its address."""
+    """Register `buf` with the store for a zero-copy transfer; yields its address.
+    `RegistrationRefused` where the store refuses."""
     ptr = buf.data_ptr()
-    if store.register_buffer(ptr, buf.numel()) != 0:
-        raise StoreError("register_buffer failed")
+    code = store.register_buffer(ptr, buf.numel())
+    if code != 0:
+        raise RegistrationRefused(f"register_buffer of {buf.numel()} bytes refused ({code})")
     try:
         yield ptr
     finally:

@@ -31,7 +31,7 @@ from mmkey.cache.mooncake._reserved import (
     refused_as,
     reserved_or_held,
 )
-from mmkey.cache.mooncake._staging import Staging, aligned, registered, stage_entry
+from mmkey.cache.mooncake._staging import RegistrationRefused, Staging, aligned, registered, stage_entry
 from mmkey.cache.mooncake._transport import (
     INVALID_PARAMS,
     RPC_FAILURES,
@@ -560,13 +560,17 @@ class Writer:
 
         buf = torch.empty(size, dtype=torch.uint8)
         encode(byte_view(buf, writable=True), text, tensor)
-        with registered(store, buf) as ptr:
-            if only_new:
-                return self._add_on_worker(store, [text], [[ptr]], [[size]]).get(text, Added.FAILED)
-            if self._parts.config.replica_num == 1:
-                code = store.upsert_from(text, ptr, size)
-            else:
-                code = store.upsert_from(text, ptr, size, self._replicate())
+        try:
+            with registered(store, buf) as ptr:
+                if only_new:
+                    return self._add_on_worker(store, [text], [[ptr]], [[size]]).get(text, Added.FAILED)
+                if self._parts.config.replica_num == 1:
+                    code = store.upsert_from(text, ptr, size)
+                else:
+                    code = store.upsert_from(text, ptr, size, self._replicate())
+        except RegistrationRefused:  # this client's memory: a failed write, counted, no store fault
+            self._parts.counts.add(errors=1)
+            return Added.FAILED
         if code in RPC_FAILURES:
             raise StoreError(f"upsert_from: master unreachable ({code})")
         return Added.STORED if code == 0 else Added.FAILED
