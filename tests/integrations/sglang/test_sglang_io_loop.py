@@ -197,6 +197,7 @@ def test_a_store_call_that_raises_fails_its_items_and_the_loop_goes_on(
             record = failed[f"Mooncake multi-buffer {what} failed"]
             assert record.levelno == logging.ERROR and record.exc_info is not None  # with the traceback
         assert "Mooncake PUT Finished: Stored 0/1 embeddings in cluster." in failed
+        assert "Mooncake GET Finished: Req req, Successfully fetched 0/1 embeddings." in failed
         store.failing = False
         publish(controller, ["31"], IMAGE)
         assert list(store.entries) == ["31"]
@@ -254,3 +255,60 @@ def test_an_idle_loop_does_not_read_its_queues_while_sglangs_beside_it_polls(
             waiting.stop_event.set()
             waiting.insert_queue.put(None)  # type: ignore[arg-type]  # any put ends its wait; never read
         polling.stop_event.set()
+
+
+def test_queued_operations_are_served_back_to_back_without_an_idle_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round that served an operation goes straight to the next: operations queued before
+    the loop started (so no put woke it) are all served, though an idle wait lasts an hour."""
+    monkeypatch.setattr(io_loop, "IDLE_WAIT", 3600.0)
+    store = MemoryStore()
+    finished: list[tuple[str, list[bool]]] = []
+    controller = SimpleNamespace(
+        prefetch_queue=queue.Queue(),
+        insert_queue=queue.Queue(),
+        stop_event=threading.Event(),
+        embedding_store=store,
+        _finish_get=lambda op, results: finished.append(("get", results)),
+        _finish_put=lambda op, results: finished.append(("put", results)),
+    )
+    data = (ctypes.c_char * 8)()
+
+    def insert(h: str) -> None:
+        op = SimpleNamespace(keys=[h], ptrs=[[ctypes.addressof(data)]], sizes=[[8]], req_id="req")
+        controller.insert_queue.put(op)
+
+    for h in ("41", "42", "43"):
+        insert(h)
+    loop = threading.Thread(
+        target=io_loop.waiting_io_loop,
+        args=(SGLANGS["loop"], cast(EmbeddingCacheController, controller)),
+        daemon=True,
+    )
+    loop.start()
+    try:
+        assert wait_until(lambda: len(finished) == 3, 30)
+        assert finished == [("put", [True])] * 3 and list(store.entries) == ["41", "42", "43"]
+    finally:
+        controller.stop_event.set()
+        insert("44")  # a put ends an idle wait (served, harmlessly, if read before the stop)
+        loop.join(timeout=30)
+    assert not loop.is_alive()
+
+
+def test_the_hook_is_registered_only_by_install_and_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module as a new process imports it: not installed until `install`, one hook however
+    many times it runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mmkey_fresh_sglang_io_loop", io_loop.__file__)
+    assert spec is not None and spec.loader is not None
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    assert not fresh.installed() and not HookRegistry._hooks[io_loop.IO_LOOP]
+    fresh.install()
+    fresh.install()
+    assert fresh.installed()
+    assert len(HookRegistry._hooks[io_loop.IO_LOOP]) == 1, "one hook however many installs"

@@ -120,6 +120,12 @@ def test_non_text_is_a_type_error() -> None:
         sglang_digest(42)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("text", ["5", "not a number"])
+def test_a_scheme_sglang_never_hashes_with_is_a_type_error_for_any_text(text: str) -> None:
+    with pytest.raises(TypeError, match=r"hashes must be HashScheme\.SGLANG or HashScheme\.BLAKE3"):
+        sglang_digest(text, HashScheme.ID)
+
+
 # -- a caller's own hashes (/encode's "hashes" field) never name the server's entries -----------
 
 

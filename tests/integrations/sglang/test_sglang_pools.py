@@ -78,3 +78,25 @@ def test_pools_must_be_contiguous_2d_cpu_tensors_that_do_not_overlap() -> None:
     table.register(big)
     with pytest.raises(ValueError, match="overlaps"):
         table.register(big[2:4])
+
+
+def test_a_run_of_one_byte_is_one_row_of_a_pool_of_one_byte_rows() -> None:
+    """Only an empty run is refused for its size: any whole number of rows, one included, maps."""
+    table = PoolTable()
+    pool = torch.arange(8, dtype=torch.uint8).reshape(8, 1)
+    table.register(pool)
+    found, [run] = table.locate([pool.data_ptr() + 3], [1])
+    assert found.tensor is pool and run.tolist() == [[3]]
+    with pytest.raises(UnknownBuffer, match="whole rows"):
+        table.locate([pool.data_ptr() + 3], [0])
+
+
+def test_pools_that_touch_without_overlapping_register_in_either_order() -> None:
+    """Two halves of one allocation share a boundary address, not a byte."""
+    for first, second in ((0, 1), (1, 0)):
+        table = PoolTable()
+        whole = torch.zeros(8, 4)
+        halves = (whole[:4], whole[4:])
+        table.register(halves[first])
+        table.register(halves[second])
+        assert len(table.pools()) == 2

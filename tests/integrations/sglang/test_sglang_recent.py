@@ -94,3 +94,14 @@ def test_answers_follow_the_last_answer_of_each_hash(
         recent.note([text], [yes])
         last[text] = yes
     assert recent.all_present(asked) == (bool(asked) and all(last.get(t, False) for t in asked))
+
+
+def test_an_update_after_a_whole_hold_without_updates_forgets_every_earlier_yes() -> None:
+    """Past a whole hold the young generation is not kept as the old one: it is too old."""
+    clock = Clock()
+    recent = RecentlyPresent(1.0, 100, clock=clock)
+    recent.note(["a"], [True])
+    clock.now += 1.2
+    recent.note(["b"], [True])
+    assert not recent.all_present(["a"]) and recent.all_present(["b"])
+    assert len(recent) == 1

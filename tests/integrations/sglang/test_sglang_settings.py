@@ -227,3 +227,33 @@ def test_single_flight_is_on_by_default_and_mmkey_claim_wait_sets_its_bound() ->
     assert settings_from_env({"MOONCAKE_MASTER": "m:1", "MMKEY_CLAIM_WAIT": "0"}).config.claim_wait == 0
     with pytest.raises(SGLangConfigError, match="MMKEY_CLAIM_WAIT"):
         settings_from_env({"MOONCAKE_MASTER": "m:1", "MMKEY_CLAIM_WAIT": "soon"})
+
+
+@pytest.mark.parametrize("version", ["0.5.23.post1.dev0", "0.5.23.1rc1"])
+def test_a_pre_release_inside_the_tested_range_passes_as_pip_takes_it(version: str) -> None:
+    """PEP 440 pre-releases above 0.5.23 and below 0.5.24 are in the extra's range for pip."""
+    check_sglang_version(version)
+
+
+def test_a_timeout_that_is_not_a_number_is_a_configuration_error() -> None:
+    with pytest.raises(SGLangConfigError, match=r"MMKEY_TIMEOUT='soon' is not a number of seconds"):
+        config_from_env({"MOONCAKE_MASTER": "m:1", "MMKEY_TIMEOUT": "soon"})
+
+
+def test_with_a_config_file_the_variables_it_replaces_are_not_read(tmp_path: Path) -> None:
+    """SGLang reads its file or else the MOONCAKE_* variables: a field the file lacks takes
+    SGLang's default, never the variable."""
+    path = write(tmp_path, {"master_server_address": "10.0.0.9:50051"})
+    config = config_from_env(
+        {
+            "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": path,
+            "MOONCAKE_MASTER": "elsewhere:1",
+            "MOONCAKE_DEVICE": "rdmap0s6",
+            "MOONCAKE_TE_META_DATA_SERVER": "http://10.0.0.5:8080/metadata",
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2gb",
+            "MOONCAKE_TENANT_ID": "team-b",
+        }
+    )
+    assert config.master_server_address == "10.0.0.9:50051"
+    assert (config.device_name, config.metadata_server) == ("", "P2PHANDSHAKE")
+    assert (config.global_segment_size, config.tenant_id) == (4 << 30, "default")

@@ -196,6 +196,27 @@ def test_close_gives_back_the_claims_a_store_holds(make_store: Callable[..., MMK
     assert wait_until(lambda: claimable(second, "809"), LONG_WAIT)
 
 
+def test_a_lookup_with_every_wait_slot_taken_answers_at_once_without_waiting(
+    make_store: Callable[..., MMKeyEmbeddingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waits are bounded in number: past them a lookup of a held hash answers no, never queues."""
+    claimant, waiter = make_store(), make_store(claim_wait=SHORT_WAIT)
+    entered = waiting(waiter, monkeypatch)
+    assert claimant.batch_is_exist(["812"]) == [False]  # won: held by the claimant
+    taken = 0
+    while waiter._wait_slots.acquire(blocking=False):  # every slot busy with another wait
+        taken += 1
+    with concurrent.futures.ThreadPoolExecutor(1) as other:
+        asked = other.submit(waiter.batch_is_exist, ["812"])
+        done, _ = concurrent.futures.wait([asked], timeout=SLACK)
+        for _ in range(taken):  # a lookup queued for a slot (none should be) goes on
+            waiter._wait_slots.release()
+    assert taken >= 1 and done and asked.result() == [False]  # encoded here, at once
+    assert not entered.is_set()
+    stats = waiter.stats()
+    assert (stats.claims_won, stats.waits_served, stats.waits_timed_out) == (0, 0, 0)
+
+
 def test_claims_off_answer_at_once_and_count_nothing(make_store: Callable[..., MMKeyEmbeddingStore]) -> None:
     first, second = make_store(claim_wait=0), make_store(claim_wait=0)
     assert first.batch_is_exist(["810"]) == [False]

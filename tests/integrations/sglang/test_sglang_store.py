@@ -919,3 +919,30 @@ def test_a_new_store_counts_nothing() -> None:
     assert store.stats() == CacheStats()
     assert store.batch_is_exist(["1"]) == [False]
     assert store.stats() == CacheStats(errors=1)
+
+
+def test_a_failed_call_logs_its_exception_with_the_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """`_guard`'s error line carries the exception it caught (``exc_info``), not only its text."""
+    store = MMKeyEmbeddingStore(namespace=NAMESPACE, config=unreached_config(), tp_rank=1)
+    with caplog.at_level(logging.ERROR, logger="mmkey.integrations.sglang"):
+        assert store.batch_is_exist(["1"]) == [False]
+    failed = [r for r in caplog.records if "batch_is_exist failed" in r.getMessage()]
+    assert len(failed) == 1
+    exc_info = failed[0].exc_info
+    assert exc_info is not None and exc_info[0] is RuntimeError
+    assert "does no store I/O" in str(exc_info[1])
+
+
+def test_each_embedding_in_unregistered_memory_counts_one_skip_and_no_error(
+    make_store: Callable[..., MMKeyEmbeddingStore],
+) -> None:
+    """A run SGLang never registered refuses only its own item: one skip each, a miss, no error."""
+    store = make_store()
+    _, _, sizes = pages(store, 4)
+    elsewhere = torch.zeros(4, 64, dtype=DTYPE)  # memory SGLang never registered
+    before = store.stats()
+    runs = [[elsewhere.data_ptr()]] * 2
+    assert store.batch_get_into_multi_buffers(["3900", "3901"], runs, sizes * 2) == [False, False]
+    after = store.stats()
+    assert after.skipped - before.skipped == 2
+    assert (after.misses - before.misses, after.errors - before.errors) == (2, 0)

@@ -7,6 +7,7 @@ until they are filed.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 
 import attrs
@@ -27,6 +28,7 @@ from mmkey import (  # noqa: E402
     MooncakeConfig,
     identifier_digest,
 )
+from mmkey.cache.protocol import Claim  # noqa: E402
 from mmkey.integrations.vllm._stager import Staged, Stager, StagerCounts, claim_wait_of  # noqa: E402
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore  # noqa: E402
 
@@ -156,3 +158,235 @@ def test_a_stager_claims_only_when_asked_to() -> None:
                 assert master.calls["batch_put_session_start"] == 0
             finally:
                 stager.close()
+
+
+def test_won_is_false_for_an_item_asked_but_not_claimed(cache: MemoryCache) -> None:
+    """`won` is true only for a claim this stager holds: not for a known item it did not claim."""
+    cache.insert_batch([key("here")], [embedding(3)])
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20)
+    try:
+        stager.want("here", key("here"), ROWS)
+        stager.want("gone", key("gone"), ROWS)
+        assert wait_until(lambda: answered(stager, ["here", "gone"]), 10.0, poll=0.0005)
+        assert stager.state("here") is Staged.STAGED and stager.state("gone") is Staged.MISSING
+        assert not stager.won("here") and not stager.won("gone") and not stager.won("never")
+    finally:
+        stager.close()
+
+
+def test_a_held_item_retried_is_claimed_again_once_its_claimant_gave_up() -> None:
+    """`retry` claims by default: a `HELD` item whose claimant let go is taken over (won here)."""
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(
+            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
+        )
+        with (
+            MooncakeCache(config, store_class=FakeMooncakeStore) as other,
+            MooncakeCache(config, store_class=FakeMooncakeStore) as cache,
+        ):
+            assert other.claim([key("held")]) == [Claim.WON]
+            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
+            try:
+                stager.want("held", key("held"), ROWS)
+                assert wait_until(lambda: answered(stager, ["held"]), 10.0, poll=0.0005)
+                assert stager.state("held") is Staged.HELD and not stager.won("held")
+                other.release([key("held")])
+                stager.retry("held")
+                assert wait_until(lambda: answered(stager, ["held"]), 10.0, poll=0.0005)
+                assert stager.state("held") is Staged.MISSING and stager.won("held")
+                assert stager.claims() == [key("held").to_key()]
+            finally:
+                stager.close()
+
+
+def test_a_stager_holding_no_claim_asks_no_release_of_a_closed_cache() -> None:
+    """Closing a claiming stager that holds no claim calls no release: a cache closed first
+    reports no error through ``on_error``."""
+    errors: list[str] = []
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(
+            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
+        )
+        cache = MooncakeCache(config, store_class=FakeMooncakeStore)
+        stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, on_error=errors.append)
+        try:
+            cache.insert_batch([key("kept")], [embedding(4)])
+            stager.want("kept", key("kept"), ROWS)
+            assert wait_until(lambda: answered(stager, ["kept"]), 10.0, poll=0.0005)
+            assert stager.state("kept") is Staged.STAGED and stager.claims() == []
+        finally:
+            cache.close()
+            stager.close()
+        assert errors == []
+
+
+def test_release_claims_counts_only_claims_it_held() -> None:
+    """`release_claims` releases and counts the held claims among the texts of a collection;
+    any other text, a non-text or a bare string releases nothing."""
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(
+            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
+        )
+        with MooncakeCache(config, store_class=FakeMooncakeStore) as cache:
+            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
+            try:
+                stager.want("a", key("a"), ROWS)
+                stager.want("b", key("b"), ROWS)
+                assert wait_until(lambda: answered(stager, ["a", "b"]), 10.0, poll=0.0005)
+                a, b = key("a").to_key(), key("b").to_key()
+                assert sorted(stager.claims()) == sorted([a, b])
+                assert stager.release_claims(b) == 0 and stager.release_claims(None) == 0
+                assert stager.release_claims([a, "not-held", 5]) == 1
+                assert stager.claims() == [b]
+                assert stager.release_claims(frozenset({a, b})) == 1
+                assert stager.claims() == []
+            finally:
+                stager.close()
+
+
+def test_answered_counts_the_answers_filed_and_close_frees_every_byte(cache: MemoryCache) -> None:
+    """`answered` starts at zero and counts each item answered; after `close` no byte is held."""
+    cache.insert_batch([key("one")], [embedding(5)])
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20)
+    try:
+        assert stager.answered() == 0
+        stager.want("one", key("one"), ROWS)
+        stager.want("two", key("two"), ROWS)
+        assert wait_until(lambda: answered(stager, ["one", "two"]), 10.0, poll=0.0005)
+        assert stager.answered() == 2 and stager.counts().staged_bytes > 0
+    finally:
+        stager.close()
+    assert stager.counts().staged_bytes == 0 and stager.state("one") is None
+
+
+def test_asking_a_name_again_for_another_item_frees_what_it_held(cache: MemoryCache) -> None:
+    """`want` of a known name with another key or row count drops what the name held first."""
+    cache.insert_batch([key("first")], [embedding(6)])
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20)
+    try:
+        stager.want("slot", key("first"), ROWS)
+        assert wait_until(lambda: answered(stager, ["slot"]), 10.0, poll=0.0005)
+        assert stager.state("slot") is Staged.STAGED and stager.counts().staged_bytes > 0
+        assert stager.want("slot", key("second"), ROWS) is Staged.PENDING
+        assert wait_until(lambda: answered(stager, ["slot"]), 10.0, poll=0.0005)
+        assert stager.state("slot") is Staged.MISSING and stager.counts().staged_bytes == 0
+    finally:
+        stager.close()
+
+
+def test_retry_asks_again_only_for_a_missing_or_held_item(cache: MemoryCache) -> None:
+    """`retry` of a staged item leaves it staged, of an unknown name does nothing."""
+    cache.insert_batch([key("staged")], [embedding(7)])
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20)
+    try:
+        stager.want("staged", key("staged"), ROWS)
+        assert wait_until(lambda: answered(stager, ["staged"]), 10.0, poll=0.0005)
+        size = stager.counts().staged_bytes
+        stager.retry("staged")
+        stager.retry("unknown")
+        assert stager.state("staged") is Staged.STAGED and stager.state("unknown") is None
+        assert stager.counts().staged_bytes == size
+    finally:
+        stager.close()
+
+
+def test_give_back_releases_only_a_won_claim_whose_save_is_not_planned() -> None:
+    """`give_back` leaves a name without a claim, an unknown name and a claim whose save is
+    planned as they are; a won claim of a missing item is released and the item `HELD`."""
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(
+            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
+        )
+        with MooncakeCache(config, store_class=FakeMooncakeStore) as cache:
+            cache.insert_batch([key("stored")], [embedding(8)])
+            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
+            try:
+                for name in ("stored", "mine", "saved"):
+                    stager.want(name, key(name), ROWS)
+                assert wait_until(lambda: answered(stager, ["stored", "mine", "saved"]), 10.0, poll=0.0005)
+                assert stager.won("mine") and stager.won("saved") and not stager.won("stored")
+                stager.saving(key("saved").to_key())
+                stager.give_back("unknown")
+                stager.give_back("stored")
+                stager.give_back("saved")
+                assert stager.state("stored") is Staged.STAGED
+                assert stager.state("saved") is Staged.MISSING and stager.won("saved")
+                stager.give_back("mine")
+                assert stager.state("mine") is Staged.HELD and not stager.won("mine")
+                assert stager.claims() == [key("saved").to_key()]
+            finally:
+                stager.close()
+
+
+def test_take_hands_over_only_a_staged_item(cache: MemoryCache) -> None:
+    """`take` of an unknown or missing name gives ``None`` and forgets nothing; of a staged one,
+    its tensor, and the name is forgotten."""
+    cache.insert_batch([key("ready")], [embedding(9)])
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20)
+    try:
+        stager.want("ready", key("ready"), ROWS)
+        stager.want("absent", key("absent"), ROWS)
+        assert wait_until(lambda: answered(stager, ["ready", "absent"]), 10.0, poll=0.0005)
+        assert stager.take("unknown") is None
+        assert stager.take("absent") is None and stager.state("absent") is Staged.MISSING
+        tensor = stager.take("ready")
+        assert tensor is not None and torch.equal(tensor, embedding(9))
+        assert stager.state("ready") is None and stager.counts().staged_bytes == 0
+    finally:
+        stager.close()
+
+
+def test_a_held_item_asked_again_while_absent_is_looked_up_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `HELD` item asked again is looked up first: still absent, it is not read again."""
+    checks: list[int] = []
+    reads: list[int] = []
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(
+            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
+        )
+        with (
+            MooncakeCache(config, store_class=FakeMooncakeStore) as other,
+            MooncakeCache(config, store_class=FakeMooncakeStore) as cache,
+        ):
+            real_exist, real_get = cache.batch_is_exist, cache.get_embeddings
+
+            def exist(keys: Sequence[EmbeddingKey]) -> list[bool]:
+                checks.append(len(keys))
+                return real_exist(keys)
+
+            def get(keys: Sequence[EmbeddingKey]) -> list[torch.Tensor | None]:
+                reads.append(len(keys))
+                return real_get(keys)
+
+            monkeypatch.setattr(cache, "batch_is_exist", exist)
+            monkeypatch.setattr(cache, "get_embeddings", get)
+            assert other.claim([key("waited")]) == [Claim.WON]
+            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
+            try:
+                stager.want("waited", key("waited"), ROWS)
+                assert wait_until(lambda: answered(stager, ["waited"]), 10.0, poll=0.0005)
+                assert stager.state("waited") is Staged.HELD and reads == [1] and checks == []
+                stager.retry("waited", claim=False)
+                assert wait_until(lambda: answered(stager, ["waited"]), 10.0, poll=0.0005)
+                assert stager.state("waited") is Staged.HELD
+                assert checks == [1] and reads == [1]
+            finally:
+                stager.close()
+
+
+def test_the_stager_thread_is_a_named_daemon(cache: MemoryCache) -> None:
+    """The stager's thread carries its ``name`` and is a daemon: it never keeps a process alive."""
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20, name="stager-pins-daemon")
+    try:
+        (thread,) = [t for t in threading.enumerate() if t.name == "stager-pins-daemon"]
+        assert thread.daemon
+    finally:
+        stager.close()
+
+
+def test_close_stops_the_stager_thread(cache: MemoryCache) -> None:
+    """`close` stops the stager's thread: it ends soon after, not left waiting for work."""
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20, name="stager-pins-closing")
+    (thread,) = [t for t in threading.enumerate() if t.name == "stager-pins-closing"]
+    stager.close()
+    assert wait_until(lambda: not thread.is_alive(), 10.0, poll=0.0005)
