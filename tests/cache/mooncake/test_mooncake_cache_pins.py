@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
+from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.cache.protocol import Claim
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
-
-MiB = 1 << 20
+from tests.cache.mooncake.pins_support import fake_config
 
 
 @pytest.fixture
@@ -27,16 +26,7 @@ def master() -> Iterator[FakeMooncakeMaster]:
 
 
 def make_cache(master: FakeMooncakeMaster, **overrides: Any) -> MooncakeCache:
-    fields: dict[str, Any] = {
-        "master_server_address": master.address,
-        "global_segment_size": 16 * MiB,
-        "local_buffer_size": 1 * MiB,
-        "timeout": 2.0,
-        "retry_after": 30.0,
-    }
-    return MooncakeCache(
-        MooncakeConfig(**{**fields, **overrides}), keyring=None, store_class=FakeMooncakeStore
-    )
+    return MooncakeCache(fake_config(master, **overrides), keyring=None, store_class=FakeMooncakeStore)
 
 
 def test_memory_not_registered_without_trusted_network_is_said_once(

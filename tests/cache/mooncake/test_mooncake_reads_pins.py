@@ -18,6 +18,7 @@ from mmkey.entry.codec import encode_entry
 from mmkey.testing.fake_mooncake import RPC_FAIL, TRANSFER_FAIL, FakeMooncakeMaster, FakeMooncakeStore
 from tests._clock import FakeClock
 from tests._support import wait_until
+from tests.cache.mooncake.pins_support import fake_config
 
 MiB = 1 << 20
 LARGE = torch.arange(512 * 1024, dtype=torch.float32)
@@ -35,14 +36,7 @@ def master() -> Iterator[FakeMooncakeMaster]:
 
 
 def config(master: FakeMooncakeMaster, **overrides: Any) -> MooncakeConfig:
-    fields: dict[str, Any] = {
-        "master_server_address": master.address,
-        "global_segment_size": 16 * MiB,
-        "local_buffer_size": 1 * MiB,
-        "timeout": 2.0,
-        "retry_after": 30.0,
-    }
-    return MooncakeConfig(**{**fields, **overrides})
+    return fake_config(master, **overrides)
 
 
 def idle(cache: MooncakeCache) -> bool:

@@ -21,6 +21,7 @@ from mmkey.entry.codec import encode_entry
 from mmkey.testing.fake_mooncake import FakeMooncakeMaster, FakeMooncakeStore
 from tests._clock import FakeClock
 from tests._support import wait_until
+from tests.cache.mooncake.pins_support import fake_config
 
 MiB = 1 << 20
 
@@ -36,14 +37,7 @@ def master() -> Iterator[FakeMooncakeMaster]:
 
 
 def config(master: FakeMooncakeMaster, **overrides: Any) -> MooncakeConfig:
-    fields: dict[str, Any] = {
-        "master_server_address": master.address,
-        "global_segment_size": 16 * MiB,
-        "local_buffer_size": 1 * MiB,
-        "timeout": 2.0,
-        "retry_after": 30.0,
-    }
-    return MooncakeConfig(**{**fields, **overrides})
+    return fake_config(master, **overrides)
 
 
 class NeverSetUp:

@@ -11,12 +11,13 @@ from typing import Any, cast
 import pytest
 import torch
 
-from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, MooncakeConfig, mm_hash
+from mmkey import EmbeddingKey, HashScheme, Modality, MooncakeCache, mm_hash
 from mmkey.cache.mooncake import Added
 from mmkey.cache.mooncake._writes import Writer
 from mmkey.testing.fake_mooncake import RPC_FAIL, FakeMooncakeMaster, FakeMooncakeStore
 from tests._clock import FakeClock
 from tests._support import wait_until
+from tests.cache.mooncake.pins_support import fake_config
 
 MiB = 1 << 20
 
@@ -32,14 +33,7 @@ def master() -> Iterator[FakeMooncakeMaster]:
 
 
 def make_cache(master: FakeMooncakeMaster, clock: FakeClock | None = None, **overrides: Any) -> MooncakeCache:
-    fields: dict[str, Any] = {
-        "master_server_address": master.address,
-        "global_segment_size": 16 * MiB,
-        "local_buffer_size": 1 * MiB,
-        "timeout": 2.0,
-        "retry_after": 30.0,
-    }
-    config = MooncakeConfig(**{**fields, **overrides})
+    config = fake_config(master, **overrides)
     if clock is None:
         return MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore)
     return MooncakeCache(config, keyring=None, store_class=FakeMooncakeStore, clock=clock)
