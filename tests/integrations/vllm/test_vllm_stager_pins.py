@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import attrs
 import pytest
@@ -52,6 +53,25 @@ def cache() -> Iterator[MemoryCache]:
         made.close()
 
 
+def counting_calls(cache: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """The sizes of `cache`'s existence checks and of its reads, recorded from now on."""
+    checks: list[int] = []
+    reads: list[int] = []
+    real_exist, real_get = cache.batch_is_exist, cache.get_embeddings
+
+    def exist(keys: Sequence[EmbeddingKey]) -> list[bool]:
+        checks.append(len(keys))
+        return list(real_exist(keys))
+
+    def get(keys: Sequence[EmbeddingKey]) -> list[torch.Tensor | None]:
+        reads.append(len(keys))
+        return list(real_get(keys))
+
+    monkeypatch.setattr(cache, "batch_is_exist", exist)
+    monkeypatch.setattr(cache, "get_embeddings", get)
+    return checks, reads
+
+
 def answered(stager: Stager, names: Sequence[str]) -> bool:
     return all(stager.state(name) not in (Staged.PENDING, None) for name in names)
 
@@ -91,20 +111,7 @@ def test_a_first_ask_is_one_read_with_no_existence_check(
 ) -> None:
     """A consumer's first ask of an item reads it, once; the store is not asked first whether
     it exists."""
-    checks: list[int] = []
-    reads: list[int] = []
-    real_exist, real_get = cache.batch_is_exist, cache.get_embeddings
-
-    def exist(keys: Sequence[EmbeddingKey]) -> list[bool]:
-        checks.append(len(keys))
-        return real_exist(keys)
-
-    def get(keys: Sequence[EmbeddingKey]) -> list[torch.Tensor | None]:
-        reads.append(len(keys))
-        return real_get(keys)
-
-    monkeypatch.setattr(cache, "batch_is_exist", exist)
-    monkeypatch.setattr(cache, "get_embeddings", get)
+    checks, reads = counting_calls(cache, monkeypatch)
     cache.insert_batch([key("a")], [embedding(2)])
     stager = Stager(cache, fetch=True, max_bytes=1 << 20)
     try:
@@ -338,8 +345,6 @@ def test_take_hands_over_only_a_staged_item(cache: MemoryCache) -> None:
 
 def test_a_held_item_asked_again_while_absent_is_looked_up_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """A `HELD` item asked again is looked up first: still absent, it is not read again."""
-    checks: list[int] = []
-    reads: list[int] = []
     with FakeMooncakeMaster() as master:
         config = MooncakeConfig(
             master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
@@ -348,18 +353,7 @@ def test_a_held_item_asked_again_while_absent_is_looked_up_not_read(monkeypatch:
             MooncakeCache(config, store_class=FakeMooncakeStore) as other,
             MooncakeCache(config, store_class=FakeMooncakeStore) as cache,
         ):
-            real_exist, real_get = cache.batch_is_exist, cache.get_embeddings
-
-            def exist(keys: Sequence[EmbeddingKey]) -> list[bool]:
-                checks.append(len(keys))
-                return real_exist(keys)
-
-            def get(keys: Sequence[EmbeddingKey]) -> list[torch.Tensor | None]:
-                reads.append(len(keys))
-                return real_get(keys)
-
-            monkeypatch.setattr(cache, "batch_is_exist", exist)
-            monkeypatch.setattr(cache, "get_embeddings", get)
+            checks, reads = counting_calls(cache, monkeypatch)
             assert other.claim([key("waited")]) == [Claim.WON]
             stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
             try:
