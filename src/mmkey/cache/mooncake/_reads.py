@@ -22,7 +22,7 @@ import attrs
 from mmkey._deadline import Done, Failed, Why
 from mmkey._log import RateLimitedLog
 from mmkey._tensors import byte_view, nbytes_of
-from mmkey.cache.mooncake._staging import RegistrationRefused, Staging, aligned, registered
+from mmkey.cache.mooncake._staging import Staging, _RegistrationRefused, aligned, registered
 from mmkey.cache.mooncake._transport import (
     BUFFER_TOO_SMALL,
     LOG,
@@ -453,7 +453,7 @@ class Reader:
             try:
                 with registered(store, buf) as ptr:
                     got = store.get_into(text, ptr, size)
-            except RegistrationRefused:  # this client's memory: a miss, counted, no store fault
+            except _RegistrationRefused:  # this client's memory: a miss, counted, no store fault
                 self._parts.counts.add(errors=1)
                 continue
             if got in RPC_FAILURES:
@@ -509,7 +509,7 @@ def _probe_on_worker(store: MooncakeDistributedStore, endpoint: str, keys: list[
     try:
         with registered(store, buf) as ptr:
             healthy = store.get_into(listed[0], ptr, size) == size
-    except RegistrationRefused:  # not read back: it stays quarantined
+    except _RegistrationRefused:  # not read back: it stays quarantined
         return False
     if healthy:
         LOG.warning("Mooncake holder %s re-admitted: it answers again", endpoint)

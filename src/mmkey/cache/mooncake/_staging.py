@@ -39,7 +39,6 @@ __all__ = [
     "ALIGN",
     "MIN_SLOT",
     "ReadSlots",
-    "RegistrationRefused",
     "Staging",
     "aligned",
     "faulted_in",
@@ -100,7 +99,7 @@ def faulted_in(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 
-class RegistrationRefused(RuntimeError):
+class _RegistrationRefused(RuntimeError):
     """This client could not register a buffer of its own (its memory, not the master): the
     one transfer that needed it is a counted miss or failed write, and no store fault."""
 
@@ -108,11 +107,11 @@ class RegistrationRefused(RuntimeError):
 @contextlib.contextmanager
 def registered(store: MooncakeDistributedStore, buf: torch.Tensor) -> Iterator[int]:
     """Register `buf` with the store for a zero-copy transfer; yields its address.
-    `RegistrationRefused` where the store refuses."""
+    ``_RegistrationRefused`` where the store refuses."""
     ptr = buf.data_ptr()
     code = store.register_buffer(ptr, buf.numel())
     if code != 0:
-        raise RegistrationRefused(f"register_buffer of {buf.numel()} bytes refused ({code})")
+        raise _RegistrationRefused(f"register_buffer of {buf.numel()} bytes refused ({code})")
     try:
         yield ptr
     finally:

@@ -31,7 +31,7 @@ from mmkey.cache.mooncake._reserved import (
     refused_as,
     reserved_or_held,
 )
-from mmkey.cache.mooncake._staging import RegistrationRefused, Staging, aligned, registered, stage_entry
+from mmkey.cache.mooncake._staging import Staging, _RegistrationRefused, aligned, registered, stage_entry
 from mmkey.cache.mooncake._transport import (
     INVALID_PARAMS,
     RPC_FAILURES,
@@ -568,7 +568,7 @@ class Writer:
                     code = store.upsert_from(text, ptr, size)
                 else:
                     code = store.upsert_from(text, ptr, size, self._replicate())
-        except RegistrationRefused:  # this client's memory: a failed write, counted, no store fault
+        except _RegistrationRefused:  # this client's memory: a failed write, counted, no store fault
             self._parts.counts.add(errors=1)
             return Added.FAILED
         if code in RPC_FAILURES:
