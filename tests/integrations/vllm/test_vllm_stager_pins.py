@@ -197,10 +197,14 @@ def test_a_held_item_retried_is_claimed_again_once_its_claimant_gave_up() -> Non
                 stager.want("held", key("held"), ROWS)
                 assert wait_until(lambda: answered(stager, ["held"]), 10.0, poll=0.0005)
                 assert stager.state("held") is Staged.HELD and not stager.won("held")
-                other.release([key("held")])
-                stager.retry("held")
-                assert wait_until(lambda: answered(stager, ["held"]), 10.0, poll=0.0005)
-                assert stager.state("held") is Staged.MISSING and stager.won("held")
+                other.release([key("held")])  # revoked on its lane, without waiting
+
+                def taken_over() -> bool:  # retried (claiming by default) until the revoke lands
+                    if stager.state("held") is Staged.HELD:
+                        stager.retry("held")
+                    return stager.state("held") is Staged.MISSING and stager.won("held")
+
+                assert wait_until(taken_over, 10.0, poll=0.005)
                 assert stager.claims() == [key("held").to_key()]
             finally:
                 stager.close()
