@@ -111,6 +111,14 @@ def test_namespace_reads_well() -> None:
     assert vllm_namespace("Qwen/Qwen2-VL-7B-Instruct", None, "abc", "bfloat16") == ns
 
 
+def test_namespace_never_changes() -> None:
+    """A namespace is part of every key: a changed tag would orphan every stored entry."""
+    ns = vllm_namespace("Qwen/Qwen2-VL-7B-Instruct", None, "abc", "torch.bfloat16")
+    assert ns == "vllm/Qwen/Qwen2-VL-7B-Instruct@default/bfloat16#f3bf12da3fab05b6"
+    long = vllm_namespace("x" * 300, "r", "e", "float32")
+    assert len(long) == MAX_NAMESPACE_CHARS and long.endswith("x@r/float32#" + long[-16:])
+
+
 def test_extra_config_defaults_and_values() -> None:
     assert ConnectorSettings.from_extra_config(None) == ConnectorSettings()
     settings = ConnectorSettings.from_extra_config(
@@ -134,7 +142,7 @@ def test_extra_config_defaults_and_values() -> None:
     ("extra", "error", "match"),
     [
         ({"namespce": "x"}, ValueError, "unknown keys"),
-        ({"namespace": 7}, TypeError, "namespace"),
+        ({"namespace": 7}, TypeError, r"ec_connector_extra_config\['namespace'\] must be text"),
         ({"namespace": ""}, InvalidKey, "namespace"),
         ({"namespace": "x" * 257}, InvalidKey, "namespace"),
         ({"store": "redis"}, ValueError, "mooncake"),
@@ -155,6 +163,17 @@ def test_bad_extra_config_is_refused_naming_the_fix(
 ) -> None:
     with pytest.raises(error, match=match):
         ConnectorSettings.from_extra_config(extra)
+
+
+def test_extra_config_that_is_not_a_dict_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="ec_connector_extra_config must be a dict"):
+        ConnectorSettings.from_extra_config(["namespace"])  # type: ignore[arg-type]
+
+
+def test_settings_are_keyword_only_and_slotted() -> None:
+    with pytest.raises(TypeError):
+        ConnectorSettings("qwen@r1")  # type: ignore[call-arg]
+    assert not hasattr(ConnectorSettings(), "__dict__")
 
 
 def test_mooncake_config_from_env_then_extra_config(tmp_path: Path) -> None:
@@ -190,7 +209,7 @@ def test_counter_identifiers_and_tower_lora_are_refused_naming_the_settings() ->
         check_identifiers_are_content_hashes(
             processor_cache_gb=4, prefix_caching=True, tower_lora=True, explicit_namespace=False
         )
-    for cache_gb, prefix in [(4, False), (0, True), (4, True)]:
+    for cache_gb, prefix in [(4, False), (1, False), (0.25, False), (0, True), (4, True)]:
         check_identifiers_are_content_hashes(
             processor_cache_gb=cache_gb, prefix_caching=prefix, tower_lora=False, explicit_namespace=False
         )
