@@ -20,6 +20,7 @@ from mmkey.integrations.vllm._connector_settings import (
     identifier_key,
     identifier_keys,
     modality_of,
+    scoped_identifier_key,
     vllm_namespace,
 )
 from mmkey.keys import MAX_NAMESPACE_CHARS
@@ -165,6 +166,19 @@ def test_bad_extra_config_is_refused_naming_the_fix(
         ConnectorSettings.from_extra_config(extra)
 
 
+def test_defaults_are_the_documented_ones() -> None:
+    """The defaults docs/vllm.md's table lists."""
+    settings = ConnectorSettings()
+    assert (settings.namespace, settings.store, settings.mooncake) == (None, StoreKind.MOONCAKE, {})
+    assert settings.memory_max_bytes == settings.max_staged_bytes == 1 << 30
+    assert settings.max_pending_save_bytes == 512 << 20
+    assert (settings.producer_wait_s, settings.first_answer_wait_s, settings.save_hold_s) == (
+        2.0,
+        0.003,
+        0.05,
+    )
+
+
 def test_extra_config_that_is_not_a_dict_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="ec_connector_extra_config must be a dict"):
         ConnectorSettings.from_extra_config(["namespace"])  # type: ignore[arg-type]
@@ -216,6 +230,24 @@ def test_counter_identifiers_and_tower_lora_are_refused_naming_the_settings() ->
     check_identifiers_are_content_hashes(
         processor_cache_gb=4, prefix_caching=True, tower_lora=True, explicit_namespace=True
     )
+
+
+def test_content_digests_never_change() -> None:
+    """A content digest is the digest of every key of an item vLLM sent with its data: a
+    changed value would orphan every stored entry."""
+    import torch
+
+    pixels = torch.arange(48, dtype=torch.float32).reshape(3, 4, 4)
+    digest = content_digest({"pixel_values": pixels, "grid": [torch.tensor([1, 2, 3])]})
+    assert digest == 0x5EDF64FE0F1A052F49D839E0F07C17A
+
+
+def test_scoped_identifier_keys_never_change() -> None:
+    """The key of an item sent without its data, within a tenant or adapter, is stored too."""
+    salted = scoped_identifier_key("ns", Modality.IMAGE, "img-1", cache_salt="tenant-a", lora=None)
+    adapted = scoped_identifier_key("ns", Modality.IMAGE, "img-1", cache_salt=None, lora="ad")
+    assert salted.to_key() == "mmk1@ns@image@id@90d8043d93c75d4bac654b248bde2bb1"
+    assert adapted.to_key() == "mmk1@ns@image@id@f28b02b00b7c29e4779c2bc5324ba483"
 
 
 def test_content_digests_cover_field_names_dtypes_shapes_and_bytes() -> None:
