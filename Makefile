@@ -138,7 +138,9 @@ $(VLLM_VENV)/.ready: pyproject.toml $(VLLM_VENV)/.packages
 VLLM_ENGINE_VENV := .venv-vllm-engine
 VLLM_ENGINE_BIN := $(VLLM_ENGINE_VENV)/bin
 VLLM_TESTS := tests/integrations/vllm/test_vllm_connector.py tests/integrations/vllm/test_vllm_hostile.py tests/integrations/vllm/test_vllm_claims.py tests/integrations/vllm/test_vllm_stubs.py \
-    tests/integrations/vllm/test_vllm_scheduler_pins.py tests/integrations/vllm/test_vllm_stager_pins.py tests/integrations/vllm/test_vllm_first_answer.py
+    tests/integrations/vllm/test_vllm_scheduler_pins.py tests/integrations/vllm/test_vllm_stager_pins.py tests/integrations/vllm/test_vllm_first_answer.py \
+    tests/integrations/vllm/test_vllm_save_hold.py tests/integrations/vllm/test_vllm_connector_pins.py tests/integrations/vllm/test_vllm_worker_pins.py \
+    tests/integrations/vllm/test_vllm_identity_pins.py
 
 $(VLLM_ENGINE_VENV)/.ready: scripts/vllm-engine-env.sh scripts/new-venv.sh scripts/vllm-engine-requirements.txt scripts/guard-torchvision.sh pyproject.toml | $(BIN)/uv
 	sh scripts/install-system-deps.sh

@@ -127,3 +127,17 @@ def test_no_import_cycle_and_no_other_stack(stack: str) -> None:
     for module in graph:
         visit(module, ())
     assert graph  # the control: the package's modules were read
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_test_file_that_needs_its_stack_runs_in_the_stacks_environment(stack: str) -> None:
+    """A test file that skips without its stack runs only where `make test` names it (the stack's
+    environment), or, marked `gpu`, in ``scripts/gpu-check.sh``; one left out would skip
+    everywhere and guard nothing."""
+    tests = Path(__file__).parent / stack
+    makefile = (Path(__file__).parents[2] / "Makefile").read_text()
+    needing = {p.name: p.read_text() for p in sorted(tests.glob("test_*.py"))}
+    needing = {name: text for name, text in needing.items() if f"require_{stack}()" in text}
+    assert needing  # the control: the stack's tests were read
+    left_out = [name for name, text in needing.items() if name not in makefile and "mark.gpu" not in text]
+    assert left_out == []
