@@ -10,13 +10,16 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mmkey import CacheKey, EmbeddingKey, HashScheme, MemoryCache, Modality, identifier_digest
+from mmkey.integrations import _background_saver as background_saver
 from mmkey.integrations._background_saver import HOLD_POLL_S, MAX_HOLD_S, BackgroundSaver, SaverCounts
 from tests._clock import FakeClock
 from tests._support import wait_until
@@ -260,3 +263,49 @@ def test_without_a_hold_nothing_is_held() -> None:
 def test_a_hold_out_of_range_is_refused(hold: object) -> None:
     with pytest.raises(ValueError, match=f"hold_s must be seconds within 0-{MAX_HOLD_S}"):
         BackgroundSaver(MemoryCache(1 << 20), 1 << 20, hold_s=hold)  # type: ignore[arg-type]
+
+
+# -- pins found by mutation testing ---------------------------------------------------------
+
+
+def test_a_new_saver_counts_nothing_and_has_nothing_to_flush() -> None:
+    """Every count starts at zero, and with nothing queued or being written a flush is done at once."""
+    saver = BackgroundSaver(MemoryCache(1 << 20), 1 << 20)
+    assert saver.counts() == SaverCounts() == SaverCounts(0, 0, 0, 0, 0, 0)
+    assert not hasattr(SaverCounts(), "__dict__")  # a slotted snapshot
+    assert saver.flush(0)
+    assert saver.close(5)
+
+
+def test_a_budget_of_one_byte_takes_a_one_byte_save() -> None:
+    cache = MemoryCache(1 << 20)
+    saver = BackgroundSaver(cache, 1)
+    assert not saver.submit(key("two"), torch.zeros(2, dtype=torch.uint8))
+    assert saver.submit(key("one"), torch.zeros(1, dtype=torch.uint8))
+    assert saver.flush(10) and saver.counts().saved == 1
+    assert saver.close(5)
+
+
+def test_the_saver_thread_is_a_named_daemon_that_close_ends() -> None:
+    """An unclosed saver never keeps the interpreter alive; a closed one leaves no thread behind."""
+    name = f"mmkey-saver-{uuid.uuid4().hex}"
+    saver = BackgroundSaver(MemoryCache(1 << 20), 1 << 20, name=name)
+    [thread] = [t for t in threading.enumerate() if t.name == name]
+    assert thread.daemon
+    assert saver.submit(key("a"), torch.ones(2))
+    assert saver.close(10)
+    assert not thread.is_alive()
+
+
+def test_a_flush_shorter_than_a_second_waits_for_the_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its timeout bounds the wait: a short one is waited out, not given up on at once. (Time stands
+    still for the flush here, so its deadline never passes: no bound on how fast the write is.)"""
+    monkeypatch.setattr(background_saver, "time", SimpleNamespace(monotonic=FakeClock()))
+    cache = GatedCache()
+    saver = BackgroundSaver(cache, 1 << 20)
+    assert saver.submit(key("a"), torch.ones(2))
+    assert cache.entered.wait(10)  # being written
+    cache.gate.set()
+    assert saver.flush(0.5)
+    assert saver.counts().saved == 1
+    assert saver.close(5)

@@ -197,10 +197,8 @@ class BackgroundSaver:
                 while not batch and not self._closed:
                     self._cond.wait(self._next_look() if self._queue else None)
                     batch = self._take_due()
-                if self._closed and not self._queue and not batch:
+                if not batch:  # closed: close() has dropped what was still queued
                     return
-                if not batch:  # closed: whatever is left is written now
-                    batch, self._queue = self._queue, []
                 self._busy = True
             batch, skipped = self._without_existing(batch)
             ok = sum(self._write(batch))

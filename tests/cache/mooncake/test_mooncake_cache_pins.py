@@ -93,3 +93,16 @@ def test_insert_from_a_silent_master_stores_nothing(master: FakeMooncakeMaster, 
             assert cache.stats().inserts == 0
         finally:
             master.restart()
+
+
+def test_the_never_closed_warning_points_at_the_code_that_dropped_the_cache(
+    master: FakeMooncakeMaster,
+) -> None:
+    """The `ResourceWarning` names the caller's line (the one that let the cache go), not mmkey's."""
+    cache = make_cache(master)
+    try:
+        with pytest.warns(ResourceWarning, match="never closed") as caught:
+            cache.__del__()
+        assert [w.filename for w in caught] == [__file__]
+    finally:
+        cache.close()

@@ -388,3 +388,132 @@ def test_close_stops_the_stager_thread(cache: MemoryCache) -> None:
     (thread,) = [t for t in threading.enumerate() if t.name == "stager-pins-closing"]
     stager.close()
     assert wait_until(lambda: not thread.is_alive(), 10.0, poll=0.0005)
+
+
+@pytest.mark.parametrize("fault", ["raises", "short-answer"])
+def test_an_existence_check_that_fails_leaves_its_items_missing(
+    cache: MemoryCache, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """A producer's existence check that raises, or answers for fewer keys than it was asked,
+    leaves every item `MISSING` (encoded and saved), never known stored."""
+    cache.insert_batch([key("p"), key("q")], [embedding(10), embedding(11)])
+
+    def failing(keys: Sequence[EmbeddingKey]) -> list[bool]:
+        if fault == "raises":
+            raise RuntimeError("store down")
+        return [True] * (len(keys) - 1)
+
+    monkeypatch.setattr(cache, "batch_is_exist", failing)
+    stager = Stager(cache, fetch=False, max_bytes=1 << 20)
+    try:
+        stager.want("p", key("p"), ROWS)
+        stager.want("q", key("q"), ROWS)
+        assert wait_until(lambda: answered(stager, ["p", "q"]), 10.0, poll=0.0005)
+        assert stager.state("p") is Staged.MISSING and stager.state("q") is Staged.MISSING
+        assert (stager.counts().store_errors > 0) == (fault == "raises")  # one call or two
+    finally:
+        stager.close()
+
+
+def blocking_reads(cache: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make `cache`'s reads wait for the second event; the first is set once a read began."""
+    entered, go = threading.Event(), threading.Event()
+    real_get = cache.get_embeddings
+
+    def get(keys: Sequence[EmbeddingKey]) -> list[torch.Tensor | None]:
+        entered.set()
+        assert go.wait(10.0)
+        return list(real_get(keys))
+
+    monkeypatch.setattr(cache, "get_embeddings", get)
+    return entered, go
+
+
+@pytest.mark.parametrize("meanwhile", ["released", "asked-for-another-key"])
+def test_an_answer_for_an_item_released_or_replaced_meanwhile_is_not_held(
+    cache: MemoryCache, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    """An item released, or its name asked again for another key, while its read is under way:
+    the read's answer is dropped, holding no bytes."""
+    cache.insert_batch([key("slow")], [embedding(12)])
+    entered, go = blocking_reads(cache, monkeypatch)
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20)
+    try:
+        stager.want("slot", key("slow"), ROWS)
+        assert entered.wait(10.0)
+        if meanwhile == "released":
+            stager.release("slot")
+        else:
+            stager.want("slot", key("absent"), ROWS)
+        go.set()
+        assert wait_until(
+            lambda: stager.idle() and stager.state("slot") is not Staged.PENDING, 10.0, poll=0.0005
+        )
+        assert stager.state("slot") == (None if meanwhile == "released" else Staged.MISSING)
+        assert stager.counts().staged_bytes == 0 and stager.counts().staged == 0
+    finally:
+        go.set()
+        stager.close()
+
+
+def test_an_entrys_rows_are_its_first_dimension_and_a_scalar_has_none(cache: MemoryCache) -> None:
+    """An entry of one dimension holding ``rows`` values is of the expected size (staged); a
+    scalar entry has no rows: of the wrong size, missing."""
+    cache.insert_batch([key("flat"), key("scalar")], [torch.ones(ROWS), torch.tensor(float(ROWS))])
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20)
+    try:
+        stager.want("flat", key("flat"), ROWS)
+        stager.want("scalar", key("scalar"), ROWS)
+        assert wait_until(lambda: answered(stager, ["flat", "scalar"]), 10.0, poll=0.0005)
+        assert stager.state("flat") is Staged.STAGED and stager.state("scalar") is Staged.MISSING
+        assert stager.counts().wrong_size == 1 and stager.counts().staged == 1
+    finally:
+        stager.close()
+
+
+def test_a_claim_won_for_an_item_released_meanwhile_is_given_up() -> None:
+    """An item released while its read is under way, then found missing and claimed: nobody
+    wants the claim now, so it is released at once (another claimant wins it)."""
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(
+            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
+        )
+        with (
+            MooncakeCache(config, store_class=FakeMooncakeStore) as other,
+            MooncakeCache(config, store_class=FakeMooncakeStore) as cache,
+            pytest.MonkeyPatch.context() as monkeypatch,
+        ):
+            entered, go = blocking_reads(cache, monkeypatch)
+            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
+            try:
+                stager.want("gone", key("gone"), ROWS)
+                assert entered.wait(10.0)
+                stager.release("gone")
+                go.set()
+                assert wait_until(lambda: stager.answered() == 1 and stager.idle(), 10.0, poll=0.0005)
+                assert stager.counts().claims_won == 1 and stager.claims() == []
+                assert wait_until(lambda: other.claim([key("gone")]) == [Claim.WON], 10.0, poll=0.005)
+            finally:
+                go.set()
+                stager.close()
+
+
+def test_an_answer_that_an_item_is_claimed_elsewhere_is_counted_once() -> None:
+    """``claims_held`` counts each answer that another claimant holds an item: one here."""
+    with FakeMooncakeMaster() as master:
+        config = MooncakeConfig(
+            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
+        )
+        with (
+            MooncakeCache(config, store_class=FakeMooncakeStore) as other,
+            MooncakeCache(config, store_class=FakeMooncakeStore) as cache,
+        ):
+            assert other.claim([key("theirs")]) == [Claim.WON]
+            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
+            try:
+                stager.want("theirs", key("theirs"), ROWS)
+                assert wait_until(lambda: answered(stager, ["theirs"]), 10.0, poll=0.0005)
+                assert stager.state("theirs") is Staged.HELD
+                assert stager.counts().claims_held == 1 and stager.counts().claims_won == 0
+            finally:
+                stager.close()
