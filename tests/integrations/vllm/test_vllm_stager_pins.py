@@ -72,6 +72,17 @@ def counting_calls(cache: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[in
     return checks, reads
 
 
+def claiming_cache(master: FakeMooncakeMaster) -> MooncakeCache:
+    """A client of `master` that claims what it finds missing (for up to 2 s)."""
+    config = MooncakeConfig(master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0)
+    return MooncakeCache(config, store_class=FakeMooncakeStore)
+
+
+def claiming_stager(cache: MooncakeCache) -> Stager:
+    """A fetching stager of `cache` with claims on, holding claims 10 s."""
+    return Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
+
+
 def answered(stager: Stager, names: Sequence[str]) -> bool:
     return all(stager.state(name) not in (Staged.PENDING, None) for name in names)
 
@@ -151,20 +162,16 @@ def test_claims_are_off_unless_claim_wait_is_a_positive_number(wait: object) -> 
 
 def test_a_stager_claims_only_when_asked_to() -> None:
     """Over a cache with claims on, a stager made without ``claims`` claims no missing item."""
-    with FakeMooncakeMaster() as master:
-        config = MooncakeConfig(
-            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
-        )
-        with MooncakeCache(config, store_class=FakeMooncakeStore) as cache:
-            stager = Stager(cache, fetch=True, max_bytes=1 << 20)
-            try:
-                stager.want("x", key("x"), ROWS)
-                assert wait_until(lambda: answered(stager, ["x"]), 10.0, poll=0.0005)
-                assert stager.state("x") is Staged.MISSING
-                assert stager.claims() == [] and stager.counts().claims_won == 0
-                assert master.calls["batch_put_session_start"] == 0
-            finally:
-                stager.close()
+    with FakeMooncakeMaster() as master, claiming_cache(master) as cache:
+        stager = Stager(cache, fetch=True, max_bytes=1 << 20)
+        try:
+            stager.want("x", key("x"), ROWS)
+            assert wait_until(lambda: answered(stager, ["x"]), 10.0, poll=0.0005)
+            assert stager.state("x") is Staged.MISSING
+            assert stager.claims() == [] and stager.counts().claims_won == 0
+            assert master.calls["batch_put_session_start"] == 0
+        finally:
+            stager.close()
 
 
 def test_won_is_false_for_an_item_asked_but_not_claimed(cache: MemoryCache) -> None:
@@ -183,31 +190,28 @@ def test_won_is_false_for_an_item_asked_but_not_claimed(cache: MemoryCache) -> N
 
 def test_a_held_item_retried_is_claimed_again_once_its_claimant_gave_up() -> None:
     """`retry` claims by default: a `HELD` item whose claimant let go is taken over (won here)."""
-    with FakeMooncakeMaster() as master:
-        config = MooncakeConfig(
-            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
-        )
-        with (
-            MooncakeCache(config, store_class=FakeMooncakeStore) as other,
-            MooncakeCache(config, store_class=FakeMooncakeStore) as cache,
-        ):
-            assert other.claim([key("held")]) == [Claim.WON]
-            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
-            try:
-                stager.want("held", key("held"), ROWS)
-                assert wait_until(lambda: answered(stager, ["held"]), 10.0, poll=0.0005)
-                assert stager.state("held") is Staged.HELD and not stager.won("held")
-                other.release([key("held")])  # revoked on its lane, without waiting
+    with (
+        FakeMooncakeMaster() as master,
+        claiming_cache(master) as other,
+        claiming_cache(master) as cache,
+    ):
+        assert other.claim([key("held")]) == [Claim.WON]
+        stager = claiming_stager(cache)
+        try:
+            stager.want("held", key("held"), ROWS)
+            assert wait_until(lambda: answered(stager, ["held"]), 10.0, poll=0.0005)
+            assert stager.state("held") is Staged.HELD and not stager.won("held")
+            other.release([key("held")])  # revoked on its lane, without waiting
 
-                def taken_over() -> bool:  # retried (claiming by default) until the revoke lands
-                    if stager.state("held") is Staged.HELD:
-                        stager.retry("held")
-                    return stager.state("held") is Staged.MISSING and stager.won("held")
+            def taken_over() -> bool:  # retried (claiming by default) until the revoke lands
+                if stager.state("held") is Staged.HELD:
+                    stager.retry("held")
+                return stager.state("held") is Staged.MISSING and stager.won("held")
 
-                assert wait_until(taken_over, 10.0, poll=0.005)
-                assert stager.claims() == [key("held").to_key()]
-            finally:
-                stager.close()
+            assert wait_until(taken_over, 10.0, poll=0.005)
+            assert stager.claims() == [key("held").to_key()]
+        finally:
+            stager.close()
 
 
 def test_a_stager_holding_no_claim_asks_no_release_of_a_closed_cache() -> None:
@@ -215,10 +219,7 @@ def test_a_stager_holding_no_claim_asks_no_release_of_a_closed_cache() -> None:
     reports no error through ``on_error``."""
     errors: list[str] = []
     with FakeMooncakeMaster() as master:
-        config = MooncakeConfig(
-            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
-        )
-        cache = MooncakeCache(config, store_class=FakeMooncakeStore)
+        cache = claiming_cache(master)
         stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, on_error=errors.append)
         try:
             cache.insert_batch([key("kept")], [embedding(4)])
@@ -234,25 +235,21 @@ def test_a_stager_holding_no_claim_asks_no_release_of_a_closed_cache() -> None:
 def test_release_claims_counts_only_claims_it_held() -> None:
     """`release_claims` releases and counts the held claims among the texts of a collection;
     any other text, a non-text or a bare string releases nothing."""
-    with FakeMooncakeMaster() as master:
-        config = MooncakeConfig(
-            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
-        )
-        with MooncakeCache(config, store_class=FakeMooncakeStore) as cache:
-            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
-            try:
-                stager.want("a", key("a"), ROWS)
-                stager.want("b", key("b"), ROWS)
-                assert wait_until(lambda: answered(stager, ["a", "b"]), 10.0, poll=0.0005)
-                a, b = key("a").to_key(), key("b").to_key()
-                assert sorted(stager.claims()) == sorted([a, b])
-                assert stager.release_claims(b) == 0 and stager.release_claims(None) == 0
-                assert stager.release_claims([a, "not-held", 5]) == 1
-                assert stager.claims() == [b]
-                assert stager.release_claims(frozenset({a, b})) == 1
-                assert stager.claims() == []
-            finally:
-                stager.close()
+    with FakeMooncakeMaster() as master, claiming_cache(master) as cache:
+        stager = claiming_stager(cache)
+        try:
+            stager.want("a", key("a"), ROWS)
+            stager.want("b", key("b"), ROWS)
+            assert wait_until(lambda: answered(stager, ["a", "b"]), 10.0, poll=0.0005)
+            a, b = key("a").to_key(), key("b").to_key()
+            assert sorted(stager.claims()) == sorted([a, b])
+            assert stager.release_claims(b) == 0 and stager.release_claims(None) == 0
+            assert stager.release_claims([a, "not-held", 5]) == 1
+            assert stager.claims() == [b]
+            assert stager.release_claims(frozenset({a, b})) == 1
+            assert stager.claims() == []
+        finally:
+            stager.close()
 
 
 def test_answered_counts_the_answers_filed_and_close_frees_every_byte(cache: MemoryCache) -> None:
@@ -304,29 +301,25 @@ def test_retry_asks_again_only_for_a_missing_or_held_item(cache: MemoryCache) ->
 def test_give_back_releases_only_a_won_claim_whose_save_is_not_planned() -> None:
     """`give_back` leaves a name without a claim, an unknown name and a claim whose save is
     planned as they are; a won claim of a missing item is released and the item `HELD`."""
-    with FakeMooncakeMaster() as master:
-        config = MooncakeConfig(
-            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
-        )
-        with MooncakeCache(config, store_class=FakeMooncakeStore) as cache:
-            cache.insert_batch([key("stored")], [embedding(8)])
-            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
-            try:
-                for name in ("stored", "mine", "saved"):
-                    stager.want(name, key(name), ROWS)
-                assert wait_until(lambda: answered(stager, ["stored", "mine", "saved"]), 10.0, poll=0.0005)
-                assert stager.won("mine") and stager.won("saved") and not stager.won("stored")
-                stager.saving(key("saved").to_key())
-                stager.give_back("unknown")
-                stager.give_back("stored")
-                stager.give_back("saved")
-                assert stager.state("stored") is Staged.STAGED
-                assert stager.state("saved") is Staged.MISSING and stager.won("saved")
-                stager.give_back("mine")
-                assert stager.state("mine") is Staged.HELD and not stager.won("mine")
-                assert stager.claims() == [key("saved").to_key()]
-            finally:
-                stager.close()
+    with FakeMooncakeMaster() as master, claiming_cache(master) as cache:
+        cache.insert_batch([key("stored")], [embedding(8)])
+        stager = claiming_stager(cache)
+        try:
+            for name in ("stored", "mine", "saved"):
+                stager.want(name, key(name), ROWS)
+            assert wait_until(lambda: answered(stager, ["stored", "mine", "saved"]), 10.0, poll=0.0005)
+            assert stager.won("mine") and stager.won("saved") and not stager.won("stored")
+            stager.saving(key("saved").to_key())
+            stager.give_back("unknown")
+            stager.give_back("stored")
+            stager.give_back("saved")
+            assert stager.state("stored") is Staged.STAGED
+            assert stager.state("saved") is Staged.MISSING and stager.won("saved")
+            stager.give_back("mine")
+            assert stager.state("mine") is Staged.HELD and not stager.won("mine")
+            assert stager.claims() == [key("saved").to_key()]
+        finally:
+            stager.close()
 
 
 def test_take_hands_over_only_a_staged_item(cache: MemoryCache) -> None:
@@ -349,27 +342,24 @@ def test_take_hands_over_only_a_staged_item(cache: MemoryCache) -> None:
 
 def test_a_held_item_asked_again_while_absent_is_looked_up_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """A `HELD` item asked again is looked up first: still absent, it is not read again."""
-    with FakeMooncakeMaster() as master:
-        config = MooncakeConfig(
-            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
-        )
-        with (
-            MooncakeCache(config, store_class=FakeMooncakeStore) as other,
-            MooncakeCache(config, store_class=FakeMooncakeStore) as cache,
-        ):
-            checks, reads = counting_calls(cache, monkeypatch)
-            assert other.claim([key("waited")]) == [Claim.WON]
-            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
-            try:
-                stager.want("waited", key("waited"), ROWS)
-                assert wait_until(lambda: answered(stager, ["waited"]), 10.0, poll=0.0005)
-                assert stager.state("waited") is Staged.HELD and reads == [1] and checks == []
-                stager.retry("waited", claim=False)
-                assert wait_until(lambda: answered(stager, ["waited"]), 10.0, poll=0.0005)
-                assert stager.state("waited") is Staged.HELD
-                assert checks == [1] and reads == [1]
-            finally:
-                stager.close()
+    with (
+        FakeMooncakeMaster() as master,
+        claiming_cache(master) as other,
+        claiming_cache(master) as cache,
+    ):
+        checks, reads = counting_calls(cache, monkeypatch)
+        assert other.claim([key("waited")]) == [Claim.WON]
+        stager = claiming_stager(cache)
+        try:
+            stager.want("waited", key("waited"), ROWS)
+            assert wait_until(lambda: answered(stager, ["waited"]), 10.0, poll=0.0005)
+            assert stager.state("waited") is Staged.HELD and reads == [1] and checks == []
+            stager.retry("waited", claim=False)
+            assert wait_until(lambda: answered(stager, ["waited"]), 10.0, poll=0.0005)
+            assert stager.state("waited") is Staged.HELD
+            assert checks == [1] and reads == [1]
+        finally:
+            stager.close()
 
 
 def test_the_stager_thread_is_a_named_daemon(cache: MemoryCache) -> None:
@@ -474,46 +464,40 @@ def test_an_entrys_rows_are_its_first_dimension_and_a_scalar_has_none(cache: Mem
 def test_a_claim_won_for_an_item_released_meanwhile_is_given_up() -> None:
     """An item released while its read is under way, then found missing and claimed: nobody
     wants the claim now, so it is released at once (another claimant wins it)."""
-    with FakeMooncakeMaster() as master:
-        config = MooncakeConfig(
-            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
-        )
-        with (
-            MooncakeCache(config, store_class=FakeMooncakeStore) as other,
-            MooncakeCache(config, store_class=FakeMooncakeStore) as cache,
-            pytest.MonkeyPatch.context() as monkeypatch,
-        ):
-            entered, go = blocking_reads(cache, monkeypatch)
-            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
-            try:
-                stager.want("gone", key("gone"), ROWS)
-                assert entered.wait(10.0)
-                stager.release("gone")
-                go.set()
-                assert wait_until(lambda: stager.answered() == 1 and stager.idle(), 10.0, poll=0.0005)
-                assert stager.counts().claims_won == 1 and stager.claims() == []
-                assert wait_until(lambda: other.claim([key("gone")]) == [Claim.WON], 10.0, poll=0.005)
-            finally:
-                go.set()
-                stager.close()
+    with (
+        FakeMooncakeMaster() as master,
+        claiming_cache(master) as other,
+        claiming_cache(master) as cache,
+        pytest.MonkeyPatch.context() as monkeypatch,
+    ):
+        entered, go = blocking_reads(cache, monkeypatch)
+        stager = claiming_stager(cache)
+        try:
+            stager.want("gone", key("gone"), ROWS)
+            assert entered.wait(10.0)
+            stager.release("gone")
+            go.set()
+            assert wait_until(lambda: stager.answered() == 1 and stager.idle(), 10.0, poll=0.0005)
+            assert stager.counts().claims_won == 1 and stager.claims() == []
+            assert wait_until(lambda: other.claim([key("gone")]) == [Claim.WON], 10.0, poll=0.005)
+        finally:
+            go.set()
+            stager.close()
 
 
 def test_an_answer_that_an_item_is_claimed_elsewhere_is_counted_once() -> None:
     """``claims_held`` counts each answer that another claimant holds an item: one here."""
-    with FakeMooncakeMaster() as master:
-        config = MooncakeConfig(
-            master_server_address=master.address, local_buffer_size=4 << 20, claim_wait=2.0
-        )
-        with (
-            MooncakeCache(config, store_class=FakeMooncakeStore) as other,
-            MooncakeCache(config, store_class=FakeMooncakeStore) as cache,
-        ):
-            assert other.claim([key("theirs")]) == [Claim.WON]
-            stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
-            try:
-                stager.want("theirs", key("theirs"), ROWS)
-                assert wait_until(lambda: answered(stager, ["theirs"]), 10.0, poll=0.0005)
-                assert stager.state("theirs") is Staged.HELD
-                assert stager.counts().claims_held == 1 and stager.counts().claims_won == 0
-            finally:
-                stager.close()
+    with (
+        FakeMooncakeMaster() as master,
+        claiming_cache(master) as other,
+        claiming_cache(master) as cache,
+    ):
+        assert other.claim([key("theirs")]) == [Claim.WON]
+        stager = claiming_stager(cache)
+        try:
+            stager.want("theirs", key("theirs"), ROWS)
+            assert wait_until(lambda: answered(stager, ["theirs"]), 10.0, poll=0.0005)
+            assert stager.state("theirs") is Staged.HELD
+            assert stager.counts().claims_held == 1 and stager.counts().claims_won == 0
+        finally:
+            stager.close()
