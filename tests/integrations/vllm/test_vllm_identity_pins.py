@@ -42,6 +42,19 @@ def write_weights(path: Path, tensors: dict[str, bytes], *, cut: int = 0) -> Pat
     return path
 
 
+def counted_file_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The weights files hashed from now on (read whole, not taken from the memo), in order."""
+    reads: list[Path] = []
+    real = identity_module._hash_file
+
+    def counted(p: Path) -> str:
+        reads.append(p)
+        return real(p)
+
+    monkeypatch.setattr(identity_module, "_hash_file", counted)
+    return reads
+
+
 def test_a_weights_file_shorter_than_its_header_is_refused(tmp_path: Path) -> None:
     """A truncated download is an error naming the file, never a digest of what is there."""
     path = write_weights(tmp_path / "m" / "model.safetensors", {"visual.w": b"\x05" * 32}, cut=4)
@@ -65,14 +78,7 @@ def test_the_digest_of_every_file_is_remembered(tmp_path: Path, monkeypatch: pyt
     first = write_weights(tmp_path / "m" / "a.safetensors", {"visual.w": b"\x05" * 32})
     second = write_weights(tmp_path / "m" / "b.safetensors", {"visual.w": b"\x06" * 32})
     digests = [weights_digest(first), weights_digest(second)]
-    reads: list[Path] = []
-    real = identity_module._hash_file
-
-    def counted(p: Path) -> str:
-        reads.append(p)
-        return real(p)
-
-    monkeypatch.setattr(identity_module, "_hash_file", counted)
+    reads = counted_file_reads(monkeypatch)
     assert [weights_digest(first), weights_digest(second)] == digests and reads == []
 
 

@@ -25,6 +25,7 @@ from mmkey.integrations.vllm._connector_settings import (
 )
 from mmkey.keys import MAX_NAMESPACE_CHARS
 from mmkey.testing.strategies import modalities, namespaces
+from tests.integrations.vllm.test_vllm_identity_pins import counted_file_reads
 
 identifiers = st.text(min_size=1)  # hypothesis leaves out lone surrogates by default
 hex_ids = st.binary(min_size=32, max_size=32).map(bytes.hex)
@@ -338,21 +339,13 @@ def test_remembered_weight_digests_follow_the_files_size_and_mtime(
 ) -> None:
     import os
 
-    from mmkey.integrations.vllm import _identity as identity_module
     from mmkey.integrations.vllm._identity import weights_digest
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = write_checkpoint(tmp_path / "m", {"visual.w": b"\x05" * 32})
     path = root / "model.safetensors"
     first = weights_digest(path)
-    reads: list[Path] = []
-    real = identity_module._hash_file
-
-    def counted(p: Path) -> str:
-        reads.append(p)
-        return real(p)
-
-    monkeypatch.setattr(identity_module, "_hash_file", counted)
+    reads = counted_file_reads(monkeypatch)
     assert weights_digest(path) == first and reads == []  # remembered: not read again
     write_checkpoint(root, {"visual.w": b"\x06" * 32})
     os.utime(path, ns=(1, 1))
