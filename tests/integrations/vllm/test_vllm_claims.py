@@ -327,6 +327,94 @@ def test_a_request_keeps_a_claim_below_the_key_it_waits_for(
         other.release([key_of(pixels(large))])
 
 
+def same_image_twice(request_id: str, seed: int) -> Request:
+    """A request naming the image of `seed` twice, as ``x`` and ``y`` (two uuids, one key)."""
+    return request(
+        request_id, [("x", "image", ROWS), ("y", "image", ROWS)], data={"x": pixels(seed), "y": pixels(seed)}
+    )
+
+
+def held_then_won(
+    sched: MMKeyECConnector, other: MooncakeCache, master: FakeMooncakeMaster, clock: StepClock, seed: int
+) -> Request:
+    """``x`` of the image of `seed` found claimed elsewhere (held), then, the other claimant
+    gone, ``y`` of the same image claimed here (each by a live request of its own)."""
+    key = key_of(pixels(seed))
+    assert other.claim([key]) == [Claim.WON]
+    assert not step(sched, request("first", [("x", "image", ROWS)], data={"x": pixels(seed)}))
+    assert sched._scheduler._stager is not None and sched._scheduler._stager.state("x") is Staged.HELD
+    other.release([key])
+    assert lease_gone(master, key)
+    assert not step(sched, request("second", [("y", "image", ROWS)], data={"y": pixels(seed)}))
+    assert sched._scheduler.claims() == [key.to_key()]  # won under ``y``
+    return same_image_twice("both", seed)
+
+
+def test_an_item_held_under_one_uuid_and_won_under_another_is_encoded_without_waiting(
+    clock: StepClock, fake_master: FakeMooncakeMaster
+) -> None:
+    """A request naming one image under two uuids, one seen held before the other was claimed
+    here, does not wait for itself: the image is encoded here at its next step."""
+    other_config = MooncakeConfig(master_server_address=fake_master.address, local_buffer_size=4 << 20)
+    with (
+        MooncakeCache(other_config, store_class=FakeMooncakeStore) as other,
+        connector(config(fake_master.address), "scheduler") as a,
+    ):
+        both = held_then_won(a, other, fake_master, clock, seed=9)
+        clock.now += STEP_S
+        assert not step(a, both)  # ``y`` asked again for this request
+        assert step(a, both)  # at once, far before the claim's wait ends
+        assert not a.has_cache_item("x") and not a.has_cache_item("y")
+        assert a._scheduler.claims() == [key_of(pixels(9)).to_key()]
+        assert "waited_out" not in a.totals()
+
+
+def test_a_claim_under_another_uuid_that_ended_at_its_hold_no_longer_counts_as_won(
+    clock: StepClock, fake_master: FakeMooncakeMaster
+) -> None:
+    """Once the claim won under ``y`` ended at its hold (its save never came), the item held
+    under ``x`` is waited for again, and claimed again, within the request's wait."""
+    other_config = MooncakeConfig(master_server_address=fake_master.address, local_buffer_size=4 << 20)
+    with (
+        MooncakeCache(other_config, store_class=FakeMooncakeStore) as other,
+        connector(config(fake_master.address), "scheduler") as a,
+    ):
+        key = key_of(pixels(10))
+        both = held_then_won(a, other, fake_master, clock, seed=10)
+        won_at = clock.now
+        clock.now += 2.0  # the request's wait (3 s) begins 2 s after the claim: it outlasts the hold
+        assert not step(a, both)  # ``y`` asked again for this request
+        clock.now = won_at + CLAIM_WAIT_S + TIMEOUT_S + 0.5 + STEP_S
+        a.build_connector_meta(SchedulerOutput.make_empty())  # the hold ends
+        assert a._scheduler.claims() == []
+        assert not step(a, both)  # still within its wait: waits for ``x``
+        assert a._scheduler.claims() == [key.to_key()]  # ``x`` claimed again
+
+
+def test_a_claim_given_back_is_looked_at_with_the_held_key_it_yields_to(
+    clock: StepClock, fake_master: FakeMooncakeMaster
+) -> None:
+    """A request waiting for a smaller key claimed elsewhere, that then wins a larger key,
+    gives it back and looks at it in the same step: an entry stored meanwhile (by an instance
+    that does not claim) is loaded at once, not at the next look."""
+    small, large = sorted([14, 15], key=lambda s: key_of(pixels(s)).to_key())
+    other_config = MooncakeConfig(master_server_address=fake_master.address, local_buffer_size=4 << 20)
+    with (
+        MooncakeCache(other_config, store_class=FakeMooncakeStore) as other,
+        connector(config(fake_master.address), "scheduler") as a,
+    ):
+        assert other.claim([key_of(pixels(small))]) == [Claim.WON]
+        assert not step(a, image_request("first", [small]))  # seen held
+        req = image_request("a", [small, large])
+        assert not step(a, req)  # the larger key asked for the first time, and won
+        assert a._scheduler.claims() == [key_of(pixels(large)).to_key()]
+        other.insert_batch([key_of(pixels(large))], [embedding(large)])
+        clock.now += 0.02  # the held key's first look is due
+        assert not step(a, req)
+        assert a._scheduler.claims() == []  # given back
+        assert a.has_cache_item(f"img-{large}")  # looked at in the same step: loaded
+
+
 def test_a_consumer_and_a_cache_without_claims_never_claim(
     clock: StepClock, fake_master: FakeMooncakeMaster
 ) -> None:
