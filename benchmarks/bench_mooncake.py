@@ -2,7 +2,8 @@
 
 Run: ``python benchmarks/bench_mooncake.py``. Starts a local master and a separate segment
 holder (``mooncake_client``) on 127.0.0.1, makes both sides pure clients of it, then
-times each operation both ways (best of N) and prints the ratio adapter / raw:
+times each operation both ways and prints the ratio adapter / raw (side by side: the two
+calls alternate, the medians of each and the median of the rounds' ratios):
 
 - ``batch_is_exist`` of 1000 prebuilt keys, raw given the same key texts (so both sides ask
   the master about keys of one length). Target <= 1.5x. Beside it, informational: key
@@ -32,10 +33,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import statistics
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -57,6 +59,8 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 REPEATS = 7
+BUDGET_S = 2.0
+"""Seconds of alternating rounds behind each side-by-side row (at least `2 * REPEATS`)."""
 RAW_SWEEP_CAP_S = 40.0
 
 
@@ -66,21 +70,39 @@ def best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
     return _common.best(fn, repeats)
 
 
-def best_interleaved(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float]:
-    """Best seconds of `a` and of `b`, timed in alternation so both see the same noise."""
-    a(), b()
-    times_a: list[float] = []
-    times_b: list[float] = []
-    for _ in range(2 * REPEATS):
-        for fn, times in ((a, times_a), (b, times_b)):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return min(times_a), min(times_b)
+class SideBySide(NamedTuple):
+    """Two calls timed in alternation: the median seconds of each, and the median of the
+    ratios second / first of each round."""
+
+    first_s: float
+    second_s: float
+    ratio: float
 
 
-def row(name: str, raw: float, adapter: float, target: str = "") -> None:
-    print(f"{name:46} {raw * 1e3:9.2f} {adapter * 1e3:9.2f} {adapter / raw:7.2f}x  {target}")
+def side_by_side(
+    first: Callable[[], object], second: Callable[[], object], budget_s: float = BUDGET_S
+) -> SideBySide:
+    """Time `first` and `second` in alternation, so that both see the same noise, for at
+    least `2 * REPEATS` rounds and until the rounds took `budget_s`. The ratio is the median
+    of each round's: one lucky round on a crowded host moves neither it nor the medians."""
+    first(), second()
+    times: list[tuple[float, float]] = []
+    began = time.perf_counter()
+    while len(times) < 2 * REPEATS or time.perf_counter() - began < budget_s:
+        start = time.perf_counter()
+        first()
+        middle = time.perf_counter()
+        second()
+        times.append((middle - start, time.perf_counter() - middle))
+    return SideBySide(
+        statistics.median(a for a, _ in times),
+        statistics.median(b for _, b in times),
+        statistics.median(b / a for a, b in times),
+    )
+
+
+def row(name: str, timed: SideBySide, target: str = "") -> None:
+    print(f"{name:46} {timed.first_s * 1e3:9.2f} {timed.second_s * 1e3:9.2f} {timed.ratio:7.2f}x  {target}")
 
 
 def rate_row(name: str, nbytes: int, raw: float, adapter: float) -> None:
@@ -128,33 +150,32 @@ def main() -> None:
             half = [EmbeddingKey("bench", Modality.IMAGE, HashScheme.BLAKE3, d) for d in digests[:500]]
             cache.insert_batch(half, [torch.ones(4)] * 500)
             raw.put_batch([f"emb_{d}" for d in digests[:500]], [b"x"] * 500)
-            t_raw, t_ada = best_interleaved(
+            keys_built = side_by_side(
                 lambda: raw.batch_is_exist([f"emb_{d}" for d in digests]),
                 lambda: cache.batch_is_exist(
                     EmbeddingKey.for_digests("bench", Modality.IMAGE, HashScheme.BLAKE3, digests)
                 ),
             )
-            row("batch_is_exist, 1000 keys, keys built", t_raw, t_ada)
+            row("batch_is_exist, 1000 keys, keys built", keys_built)
             built = EmbeddingKey.for_digests("bench", Modality.IMAGE, HashScheme.BLAKE3, digests)
             same_texts = [k.to_key() for k in built]
-            t_same, t_ada = best_interleaved(
+            prebuilt = side_by_side(
                 lambda: raw.batch_is_exist(same_texts), lambda: cache.batch_is_exist(built)
             )
             # the target row: raw given key texts of the same length as mmkey's (its own texts),
             # so the ratio is the adapter's cost, not the master's for longer keys
-            row("batch_is_exist, 1000 keys prebuilt, same texts", t_same, t_ada, "target <= 1.5x")
+            row("batch_is_exist, 1000 keys prebuilt, same texts", prebuilt, "target <= 1.5x")
             raw_texts = [f"emb_{d}" for d in digests]
-            t_raw, t_ada = best_interleaved(
-                lambda: raw.batch_is_exist(raw_texts), lambda: cache.batch_is_exist(built)
-            )
-            row("  the same, raw given shorter f'emb_{h}' texts", t_raw, t_ada)
+            shorter = side_by_side(lambda: raw.batch_is_exist(raw_texts), lambda: cache.batch_is_exist(built))
+            row("  the same, raw given shorter f'emb_{h}' texts", shorter)
             one_key, one_raw = built[:1], same_texts[:1]
-            t_raw1, t_ada1 = best_interleaved(
+            one_key_calls = side_by_side(
                 lambda: [raw.batch_is_exist(one_raw) for _ in range(100)],
                 lambda: [cache.batch_is_exist(one_key) for _ in range(100)],
             )
-            row("batch_is_exist, 1 key (x100)", t_raw1, t_ada1)
-            print(f"{'  fixed cost per call (mmkey - raw)':46} {(t_ada1 - t_raw1) * 1e4:9.1f} us")
+            row("batch_is_exist, 1 key (x100)", one_key_calls)
+            fixed_us = (one_key_calls.second_s - one_key_calls.first_s) * 1e4  # (100 calls)
+            print(f"{'  fixed cost per call (mmkey - raw)':46} {fixed_us:9.1f} us")
 
             tensors = [torch.randn(64 * 1024 // 4) for _ in range(256)]
             keys = [
@@ -171,26 +192,26 @@ def main() -> None:
             def raw_get() -> list[torch.Tensor]:
                 return [torch.frombuffer(b, dtype=torch.float32) for b in raw.get_batch(raw_keys)]
 
-            t_raw, t_ada = best_interleaved(raw_get, lambda: cache.get_embeddings(keys))
-            row("get 256 x 64 KiB, verified, same texts", t_raw, t_ada, "target <= 1.3x")
+            verified_get = side_by_side(raw_get, lambda: cache.get_embeddings(keys))
+            row("get 256 x 64 KiB, verified, same texts", verified_get, "target <= 1.3x")
 
             signed_keys = EmbeddingKey.for_digests(
                 "bench64k-signed", Modality.IMAGE, HashScheme.BLAKE3, [mm_hash(i) for i in range(256)]
             )
             signed.insert_batch(signed_keys, tensors)
-            t_plain, t_signed = best_interleaved(
+            signed_get = side_by_side(
                 lambda: cache.get_embeddings(keys), lambda: signed.get_embeddings(signed_keys)
             )
             print(
                 f"\n{'authenticated (ms; ratio signed/unsigned)':46} "
                 f"{'unsigned':>9} {'signed':>9} {'ratio':>8}"
             )
-            row("get 256 x 64 KiB, every entry verified", t_plain, t_signed, "target <= 1.5x")
-            t_plain, t_signed = best_interleaved(
+            row("get 256 x 64 KiB, every entry verified", signed_get, "target <= 1.5x")
+            signed_insert = side_by_side(
                 lambda: cache.insert_batch(keys, tensors),
                 lambda: signed.insert_batch(signed_keys, tensors),
             )
-            row("insert 256 x 64 KiB", t_plain, t_signed)
+            row("insert 256 x 64 KiB", signed_insert)
 
             print(f"\n{'throughput (MiB/s; speed-up mmkey/raw)':46} {'raw':>9} {'mmkey':>9} {'speedup':>8}")
             for size, count in ((64 * 1024, 256), (8 * MiB, 8)):
@@ -290,11 +311,11 @@ def fleet_table() -> None:
         one = MooncakeCache(fleet.client_config(timeout=30.0), keyring=None)
         two = MooncakeCache(fleet.client_config(timeout=30.0, replica_num=2), keyring=None)
         try:
-            t_one, t_two = best_interleaved(
+            replicas = side_by_side(
                 lambda: one.insert_batch(keys, tensors), lambda: two.insert_batch(keys, tensors)
             )
             print(f"\n{'writes (ms; ratio 2 replicas / 1)':46} {'1 copy':>9} {'2 copies':>9} {'ratio':>8}")
-            row("insert 100 x 64 KiB", t_one, t_two)
+            row("insert 100 x 64 KiB", replicas)
         finally:
             two.close()
             one.close()
