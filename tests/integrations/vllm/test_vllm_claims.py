@@ -173,6 +173,13 @@ def encode_and_save(
     )
 
 
+def another_client(master: FakeMooncakeMaster) -> MooncakeCache:
+    """A raw client of `master` beside the connectors: another claimant, or a writer that does
+    not claim."""
+    config = MooncakeConfig(master_server_address=master.address, local_buffer_size=4 << 20)
+    return MooncakeCache(config, store_class=FakeMooncakeStore)
+
+
 def lease_gone(master: FakeMooncakeMaster, key: EmbeddingKey) -> bool:
     return wait_until(lambda: key.to_key() + "#claim" not in master.reserved(), 10.0, poll=0.001)
 
@@ -219,8 +226,7 @@ def test_past_the_bound_a_held_item_is_encoded_here_and_counted_timed_out(
     deferral, with a bounded number of looks at the store; then it is encoded here."""
     cfg = config(fake_master.address)
     key = key_of(pixels(2))
-    squatter_config = MooncakeConfig(master_server_address=fake_master.address, local_buffer_size=4 << 20)
-    with MooncakeCache(squatter_config, store_class=FakeMooncakeStore) as squatter:
+    with another_client(fake_master) as squatter:
         assert squatter.claim([key]) == [Claim.WON]  # never released
         with connector(cfg, "scheduler") as b:
             b_req = image_request("b", [2])
@@ -290,9 +296,8 @@ def test_a_request_gives_back_a_claim_past_a_key_it_waits_for(
     cfg = config(fake_master.address)
     seeds = sorted([5, 6], key=lambda s: key_of(pixels(s)).to_key())
     small, large = seeds
-    other_config = MooncakeConfig(master_server_address=fake_master.address, local_buffer_size=4 << 20)
     with (
-        MooncakeCache(other_config, store_class=FakeMooncakeStore) as other,
+        another_client(fake_master) as other,
         connector(cfg, "scheduler") as a,
     ):
         assert other.claim([key_of(pixels(small))]) == [Claim.WON]
@@ -314,9 +319,8 @@ def test_a_request_keeps_a_claim_below_the_key_it_waits_for(
 ) -> None:
     cfg = config(fake_master.address)
     small, large = sorted([7, 8], key=lambda s: key_of(pixels(s)).to_key())
-    other_config = MooncakeConfig(master_server_address=fake_master.address, local_buffer_size=4 << 20)
     with (
-        MooncakeCache(other_config, store_class=FakeMooncakeStore) as other,
+        another_client(fake_master) as other,
         connector(cfg, "scheduler") as a,
     ):
         assert other.claim([key_of(pixels(large))]) == [Claim.WON]
@@ -338,7 +342,8 @@ def held_then_won(
     sched: MMKeyECConnector, other: MooncakeCache, master: FakeMooncakeMaster, clock: StepClock, seed: int
 ) -> Request:
     """``x`` of the image of `seed` found claimed elsewhere (held), then, the other claimant
-    gone, ``y`` of the same image claimed here (each by a live request of its own)."""
+    gone, ``y`` of the same image claimed here (each by a live request of its own); returns a
+    request naming both, not asked yet."""
     key = key_of(pixels(seed))
     assert other.claim([key]) == [Claim.WON]
     assert not step(sched, request("first", [("x", "image", ROWS)], data={"x": pixels(seed)}))
@@ -355,9 +360,8 @@ def test_an_item_held_under_one_uuid_and_won_under_another_is_encoded_without_wa
 ) -> None:
     """A request naming one image under two uuids, one seen held before the other was claimed
     here, does not wait for itself: the image is encoded here at its next step."""
-    other_config = MooncakeConfig(master_server_address=fake_master.address, local_buffer_size=4 << 20)
     with (
-        MooncakeCache(other_config, store_class=FakeMooncakeStore) as other,
+        another_client(fake_master) as other,
         connector(config(fake_master.address), "scheduler") as a,
     ):
         both = held_then_won(a, other, fake_master, clock, seed=9)
@@ -374,9 +378,8 @@ def test_a_claim_under_another_uuid_that_ended_at_its_hold_no_longer_counts_as_w
 ) -> None:
     """Once the claim won under ``y`` ended at its hold (its save never came), the item held
     under ``x`` is waited for again, and claimed again, within the request's wait."""
-    other_config = MooncakeConfig(master_server_address=fake_master.address, local_buffer_size=4 << 20)
     with (
-        MooncakeCache(other_config, store_class=FakeMooncakeStore) as other,
+        another_client(fake_master) as other,
         connector(config(fake_master.address), "scheduler") as a,
     ):
         key = key_of(pixels(10))
@@ -398,9 +401,8 @@ def test_a_claim_given_back_is_looked_at_with_the_held_key_it_yields_to(
     gives it back and looks at it in the same step: an entry stored meanwhile (by an instance
     that does not claim) is loaded at once, not at the next look."""
     small, large = sorted([14, 15], key=lambda s: key_of(pixels(s)).to_key())
-    other_config = MooncakeConfig(master_server_address=fake_master.address, local_buffer_size=4 << 20)
     with (
-        MooncakeCache(other_config, store_class=FakeMooncakeStore) as other,
+        another_client(fake_master) as other,
         connector(config(fake_master.address), "scheduler") as a,
     ):
         assert other.claim([key_of(pixels(small))]) == [Claim.WON]

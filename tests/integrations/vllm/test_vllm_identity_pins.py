@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import pickle
-import struct
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, cast
 
 import pytest
 
-from mmkey.integrations.vllm import _identity as identity_module
 from mmkey.integrations.vllm._identity import checkpoint_identity, weights_digest
 from mmkey.integrations.vllm._namespace import check_identifiers, namespace_from_vllm_config
+from tests.integrations.vllm.checkpoints import counted_file_reads, write_weights
 from tests.integrations.vllm.vllm_support import require_vllm
 
 if TYPE_CHECKING:
@@ -26,33 +25,6 @@ if TYPE_CHECKING:
 @pytest.fixture(autouse=True)
 def weights_memo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-
-
-def write_weights(path: Path, tensors: dict[str, bytes], *, cut: int = 0) -> Path:
-    """A safetensors file of U8 tensors; `cut` bytes short of what its header says."""
-    header: dict[str, object] = {}
-    offset = 0
-    for name, data in tensors.items():
-        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    head = json.dumps(header).encode()
-    body = b"".join(tensors.values())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + body[: len(body) - cut])
-    return path
-
-
-def counted_file_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """The weights files hashed from now on (read whole, not taken from the memo), in order."""
-    reads: list[Path] = []
-    real = identity_module._hash_file
-
-    def counted(p: Path) -> str:
-        reads.append(p)
-        return real(p)
-
-    monkeypatch.setattr(identity_module, "_hash_file", counted)
-    return reads
 
 
 def test_a_weights_file_shorter_than_its_header_is_refused(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from mmkey.integrations.vllm._connector_settings import (
 )
 from mmkey.keys import MAX_NAMESPACE_CHARS
 from mmkey.testing.strategies import modalities, namespaces
-from tests.integrations.vllm.test_vllm_identity_pins import counted_file_reads
+from tests.integrations.vllm.checkpoints import counted_file_reads, write_checkpoint
 
 identifiers = st.text(min_size=1)  # hypothesis leaves out lone surrogates by default
 hex_ids = st.binary(min_size=32, max_size=32).map(bytes.hex)
@@ -274,30 +274,6 @@ def test_content_digests_cover_field_names_dtypes_shapes_and_bytes() -> None:
     assert content_digest({"pixel_values": None}) is None
     assert content_digest({"pixel_values": [pixels, "text"]}) is None
     assert content_digest({}) is None
-
-
-def write_checkpoint(
-    root: Path,
-    tensors: dict[str, bytes],
-    *,
-    config: dict[str, object] | None = None,
-    preprocessor: dict[str, object] | None = None,
-) -> Path:
-    """A minimal local checkpoint: config.json, preprocessor_config.json, one safetensors file."""
-    import struct
-
-    root.mkdir(parents=True, exist_ok=True)
-    header: dict[str, object] = {}
-    offset = 0
-    for name, data in tensors.items():
-        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    head = json.dumps(header).encode()
-    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"".join(tensors.values()))
-    cfg = {"architectures": ["LlavaForConditionalGeneration"], "_name_or_path": str(root), "hidden": 8}
-    (root / "config.json").write_text(json.dumps(config if config is not None else cfg))
-    (root / "preprocessor_config.json").write_text(json.dumps(preprocessor or {"size": 336}))
-    return root
 
 
 def test_a_checkpoint_is_named_by_what_it_is_not_where_it_lies(

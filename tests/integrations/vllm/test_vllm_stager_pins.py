@@ -7,6 +7,7 @@ until they are filed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -78,13 +79,23 @@ def claiming_cache(master: FakeMooncakeMaster) -> MooncakeCache:
     return MooncakeCache(config, store_class=FakeMooncakeStore)
 
 
-def claiming_stager(cache: MooncakeCache) -> Stager:
-    """A fetching stager of `cache` with claims on, holding claims 10 s."""
-    return Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
+@contextlib.contextmanager
+def claiming_stager(cache: MooncakeCache) -> Iterator[Stager]:
+    """A fetching stager of `cache` with claims on, holding claims 10 s; closed on the way out."""
+    stager = Stager(cache, fetch=True, max_bytes=1 << 20, claims=True, hold_s=10.0)
+    try:
+        yield stager
+    finally:
+        stager.close()
 
 
 def answered(stager: Stager, names: Sequence[str]) -> bool:
     return all(stager.state(name) not in (Staged.PENDING, None) for name in names)
+
+
+def wait_answered(stager: Stager, names: Sequence[str]) -> None:
+    """Wait until the stager filed an answer for each of `names` (a hang guard, not a timing)."""
+    assert wait_until(lambda: answered(stager, names), 10.0, poll=0.0005)
 
 
 def test_a_new_stager_counts_nothing(cache: MemoryCache) -> None:
@@ -105,7 +116,7 @@ def test_released_items_leave_no_staged_bytes_found_or_not(cache: MemoryCache) -
     try:
         assert stager.want("found", key("found"), ROWS) is Staged.PENDING
         assert stager.want("missing", key("missing"), ROWS) is Staged.PENDING
-        assert wait_until(lambda: answered(stager, ["found", "missing"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["found", "missing"])
         assert stager.state("found") is Staged.STAGED and stager.state("missing") is Staged.MISSING
         size = embedding(1).numel() * embedding(1).element_size()
         assert stager.counts().staged_bytes == size
@@ -128,7 +139,7 @@ def test_a_first_ask_is_one_read_with_no_existence_check(
     try:
         stager.want("a", key("a"), ROWS)
         stager.want("b", key("b"), ROWS)
-        assert wait_until(lambda: answered(stager, ["a", "b"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["a", "b"])
         assert stager.state("a") is Staged.STAGED and stager.state("b") is Staged.MISSING
         assert checks == [] and sum(reads) == 2  # each read once, in one call or two
     finally:
@@ -166,7 +177,7 @@ def test_a_stager_claims_only_when_asked_to() -> None:
         stager = Stager(cache, fetch=True, max_bytes=1 << 20)
         try:
             stager.want("x", key("x"), ROWS)
-            assert wait_until(lambda: answered(stager, ["x"]), 10.0, poll=0.0005)
+            wait_answered(stager, ["x"])
             assert stager.state("x") is Staged.MISSING
             assert stager.claims() == [] and stager.counts().claims_won == 0
             assert master.calls["batch_put_session_start"] == 0
@@ -181,7 +192,7 @@ def test_won_is_false_for_an_item_asked_but_not_claimed(cache: MemoryCache) -> N
     try:
         stager.want("here", key("here"), ROWS)
         stager.want("gone", key("gone"), ROWS)
-        assert wait_until(lambda: answered(stager, ["here", "gone"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["here", "gone"])
         assert stager.state("here") is Staged.STAGED and stager.state("gone") is Staged.MISSING
         assert not stager.won("here") and not stager.won("gone") and not stager.won("never")
     finally:
@@ -196,10 +207,9 @@ def test_a_held_item_retried_is_claimed_again_once_its_claimant_gave_up() -> Non
         claiming_cache(master) as cache,
     ):
         assert other.claim([key("held")]) == [Claim.WON]
-        stager = claiming_stager(cache)
-        try:
+        with claiming_stager(cache) as stager:
             stager.want("held", key("held"), ROWS)
-            assert wait_until(lambda: answered(stager, ["held"]), 10.0, poll=0.0005)
+            wait_answered(stager, ["held"])
             assert stager.state("held") is Staged.HELD and not stager.won("held")
             other.release([key("held")])  # revoked on its lane, without waiting
 
@@ -210,8 +220,6 @@ def test_a_held_item_retried_is_claimed_again_once_its_claimant_gave_up() -> Non
 
             assert wait_until(taken_over, 10.0, poll=0.005)
             assert stager.claims() == [key("held").to_key()]
-        finally:
-            stager.close()
 
 
 def test_a_stager_holding_no_claim_asks_no_release_of_a_closed_cache() -> None:
@@ -224,7 +232,7 @@ def test_a_stager_holding_no_claim_asks_no_release_of_a_closed_cache() -> None:
         try:
             cache.insert_batch([key("kept")], [embedding(4)])
             stager.want("kept", key("kept"), ROWS)
-            assert wait_until(lambda: answered(stager, ["kept"]), 10.0, poll=0.0005)
+            wait_answered(stager, ["kept"])
             assert stager.state("kept") is Staged.STAGED and stager.claims() == []
         finally:
             cache.close()
@@ -235,21 +243,21 @@ def test_a_stager_holding_no_claim_asks_no_release_of_a_closed_cache() -> None:
 def test_release_claims_counts_only_claims_it_held() -> None:
     """`release_claims` releases and counts the held claims among the texts of a collection;
     any other text, a non-text or a bare string releases nothing."""
-    with FakeMooncakeMaster() as master, claiming_cache(master) as cache:
-        stager = claiming_stager(cache)
-        try:
-            stager.want("a", key("a"), ROWS)
-            stager.want("b", key("b"), ROWS)
-            assert wait_until(lambda: answered(stager, ["a", "b"]), 10.0, poll=0.0005)
-            a, b = key("a").to_key(), key("b").to_key()
-            assert sorted(stager.claims()) == sorted([a, b])
-            assert stager.release_claims(b) == 0 and stager.release_claims(None) == 0
-            assert stager.release_claims([a, "not-held", 5]) == 1
-            assert stager.claims() == [b]
-            assert stager.release_claims(frozenset({a, b})) == 1
-            assert stager.claims() == []
-        finally:
-            stager.close()
+    with (
+        FakeMooncakeMaster() as master,
+        claiming_cache(master) as cache,
+        claiming_stager(cache) as stager,
+    ):
+        stager.want("a", key("a"), ROWS)
+        stager.want("b", key("b"), ROWS)
+        wait_answered(stager, ["a", "b"])
+        a, b = key("a").to_key(), key("b").to_key()
+        assert sorted(stager.claims()) == sorted([a, b])
+        assert stager.release_claims(b) == 0 and stager.release_claims(None) == 0
+        assert stager.release_claims([a, "not-held", 5]) == 1
+        assert stager.claims() == [b]
+        assert stager.release_claims(frozenset({a, b})) == 1
+        assert stager.claims() == []
 
 
 def test_answered_counts_the_answers_filed_and_close_frees_every_byte(cache: MemoryCache) -> None:
@@ -260,7 +268,7 @@ def test_answered_counts_the_answers_filed_and_close_frees_every_byte(cache: Mem
         assert stager.answered() == 0
         stager.want("one", key("one"), ROWS)
         stager.want("two", key("two"), ROWS)
-        assert wait_until(lambda: answered(stager, ["one", "two"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["one", "two"])
         assert stager.answered() == 2 and stager.counts().staged_bytes > 0
     finally:
         stager.close()
@@ -273,10 +281,10 @@ def test_asking_a_name_again_for_another_item_frees_what_it_held(cache: MemoryCa
     stager = Stager(cache, fetch=True, max_bytes=1 << 20)
     try:
         stager.want("slot", key("first"), ROWS)
-        assert wait_until(lambda: answered(stager, ["slot"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["slot"])
         assert stager.state("slot") is Staged.STAGED and stager.counts().staged_bytes > 0
         assert stager.want("slot", key("second"), ROWS) is Staged.PENDING
-        assert wait_until(lambda: answered(stager, ["slot"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["slot"])
         assert stager.state("slot") is Staged.MISSING and stager.counts().staged_bytes == 0
     finally:
         stager.close()
@@ -288,7 +296,7 @@ def test_retry_asks_again_only_for_a_missing_or_held_item(cache: MemoryCache) ->
     stager = Stager(cache, fetch=True, max_bytes=1 << 20)
     try:
         stager.want("staged", key("staged"), ROWS)
-        assert wait_until(lambda: answered(stager, ["staged"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["staged"])
         size = stager.counts().staged_bytes
         stager.retry("staged")
         stager.retry("unknown")
@@ -303,11 +311,10 @@ def test_give_back_releases_only_a_won_claim_whose_save_is_not_planned() -> None
     planned as they are; a won claim of a missing item is released and the item `HELD`."""
     with FakeMooncakeMaster() as master, claiming_cache(master) as cache:
         cache.insert_batch([key("stored")], [embedding(8)])
-        stager = claiming_stager(cache)
-        try:
+        with claiming_stager(cache) as stager:
             for name in ("stored", "mine", "saved"):
                 stager.want(name, key(name), ROWS)
-            assert wait_until(lambda: answered(stager, ["stored", "mine", "saved"]), 10.0, poll=0.0005)
+            wait_answered(stager, ["stored", "mine", "saved"])
             assert stager.won("mine") and stager.won("saved") and not stager.won("stored")
             stager.saving(key("saved").to_key())
             stager.give_back("unknown")
@@ -318,8 +325,6 @@ def test_give_back_releases_only_a_won_claim_whose_save_is_not_planned() -> None
             stager.give_back("mine")
             assert stager.state("mine") is Staged.HELD and not stager.won("mine")
             assert stager.claims() == [key("saved").to_key()]
-        finally:
-            stager.close()
 
 
 def test_take_hands_over_only_a_staged_item(cache: MemoryCache) -> None:
@@ -330,7 +335,7 @@ def test_take_hands_over_only_a_staged_item(cache: MemoryCache) -> None:
     try:
         stager.want("ready", key("ready"), ROWS)
         stager.want("absent", key("absent"), ROWS)
-        assert wait_until(lambda: answered(stager, ["ready", "absent"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["ready", "absent"])
         assert stager.take("unknown") is None
         assert stager.take("absent") is None and stager.state("absent") is Staged.MISSING
         tensor = stager.take("ready")
@@ -349,17 +354,14 @@ def test_a_held_item_asked_again_while_absent_is_looked_up_not_read(monkeypatch:
     ):
         checks, reads = counting_calls(cache, monkeypatch)
         assert other.claim([key("waited")]) == [Claim.WON]
-        stager = claiming_stager(cache)
-        try:
+        with claiming_stager(cache) as stager:
             stager.want("waited", key("waited"), ROWS)
-            assert wait_until(lambda: answered(stager, ["waited"]), 10.0, poll=0.0005)
+            wait_answered(stager, ["waited"])
             assert stager.state("waited") is Staged.HELD and reads == [1] and checks == []
             stager.retry("waited", claim=False)
-            assert wait_until(lambda: answered(stager, ["waited"]), 10.0, poll=0.0005)
+            wait_answered(stager, ["waited"])
             assert stager.state("waited") is Staged.HELD
             assert checks == [1] and reads == [1]
-        finally:
-            stager.close()
 
 
 def test_the_stager_thread_is_a_named_daemon(cache: MemoryCache) -> None:
@@ -398,7 +400,7 @@ def test_an_existence_check_that_fails_leaves_its_items_missing(
     try:
         stager.want("p", key("p"), ROWS)
         stager.want("q", key("q"), ROWS)
-        assert wait_until(lambda: answered(stager, ["p", "q"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["p", "q"])
         assert stager.state("p") is Staged.MISSING and stager.state("q") is Staged.MISSING
         assert (stager.counts().store_errors > 0) == (fault == "raises")  # one call or two
     finally:
@@ -454,7 +456,7 @@ def test_an_entrys_rows_are_its_first_dimension_and_a_scalar_has_none(cache: Mem
     try:
         stager.want("flat", key("flat"), ROWS)
         stager.want("scalar", key("scalar"), ROWS)
-        assert wait_until(lambda: answered(stager, ["flat", "scalar"]), 10.0, poll=0.0005)
+        wait_answered(stager, ["flat", "scalar"])
         assert stager.state("flat") is Staged.STAGED and stager.state("scalar") is Staged.MISSING
         assert stager.counts().wrong_size == 1 and stager.counts().staged == 1
     finally:
@@ -471,18 +473,17 @@ def test_a_claim_won_for_an_item_released_meanwhile_is_given_up() -> None:
         pytest.MonkeyPatch.context() as monkeypatch,
     ):
         entered, go = blocking_reads(cache, monkeypatch)
-        stager = claiming_stager(cache)
-        try:
-            stager.want("gone", key("gone"), ROWS)
-            assert entered.wait(10.0)
-            stager.release("gone")
-            go.set()
-            assert wait_until(lambda: stager.answered() == 1 and stager.idle(), 10.0, poll=0.0005)
-            assert stager.counts().claims_won == 1 and stager.claims() == []
-            assert wait_until(lambda: other.claim([key("gone")]) == [Claim.WON], 10.0, poll=0.005)
-        finally:
-            go.set()
-            stager.close()
+        with claiming_stager(cache) as stager:
+            try:
+                stager.want("gone", key("gone"), ROWS)
+                assert entered.wait(10.0)
+                stager.release("gone")
+                go.set()
+                assert wait_until(lambda: stager.answered() == 1 and stager.idle(), 10.0, poll=0.0005)
+                assert stager.counts().claims_won == 1 and stager.claims() == []
+                assert wait_until(lambda: other.claim([key("gone")]) == [Claim.WON], 10.0, poll=0.005)
+            finally:
+                go.set()
 
 
 def test_an_answer_that_an_item_is_claimed_elsewhere_is_counted_once() -> None:
@@ -493,11 +494,8 @@ def test_an_answer_that_an_item_is_claimed_elsewhere_is_counted_once() -> None:
         claiming_cache(master) as cache,
     ):
         assert other.claim([key("theirs")]) == [Claim.WON]
-        stager = claiming_stager(cache)
-        try:
+        with claiming_stager(cache) as stager:
             stager.want("theirs", key("theirs"), ROWS)
-            assert wait_until(lambda: answered(stager, ["theirs"]), 10.0, poll=0.0005)
+            wait_answered(stager, ["theirs"])
             assert stager.state("theirs") is Staged.HELD
             assert stager.counts().claims_held == 1 and stager.counts().claims_won == 0
-        finally:
-            stager.close()
